@@ -1,0 +1,64 @@
+"""sqla-proletarian: a durable, transactional job queue for SQLAlchemy applications."""
+
+from sqla_proletarian.enqueue import enqueue, utc_now, uuid4, uuid7
+from sqla_proletarian.errors import (
+    ConfigurationError,
+    InvalidJobError,
+    InvalidRetryStrategyError,
+    JobCrashedError,
+    NotATransactionError,
+    PayloadDeserializationError,
+    PayloadSerializationError,
+    ProletarianError,
+    UnknownJobTypeError,
+)
+from sqla_proletarian.handlers import JobContext, JobHandlers
+from sqla_proletarian.models import (
+    DEFAULT_QUEUE,
+    ArchivedJob,
+    Job,
+    JobRun,
+    include_object,
+    metadata,
+)
+from sqla_proletarian.retry import RetryStrategy
+from sqla_proletarian.serialization import JsonSerializer, Serializer
+from sqla_proletarian.worker import (
+    QueueWorker,
+    WorkerOptions,
+    create_queue_worker,
+    process_next_job,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_QUEUE",
+    "ArchivedJob",
+    "ConfigurationError",
+    "InvalidJobError",
+    "InvalidRetryStrategyError",
+    "Job",
+    "JobContext",
+    "JobCrashedError",
+    "JobHandlers",
+    "JobRun",
+    "JsonSerializer",
+    "NotATransactionError",
+    "PayloadDeserializationError",
+    "PayloadSerializationError",
+    "ProletarianError",
+    "QueueWorker",
+    "RetryStrategy",
+    "Serializer",
+    "UnknownJobTypeError",
+    "WorkerOptions",
+    "create_queue_worker",
+    "enqueue",
+    "include_object",
+    "metadata",
+    "process_next_job",
+    "utc_now",
+    "uuid4",
+    "uuid7",
+]

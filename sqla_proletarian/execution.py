@@ -1,0 +1,343 @@
+"""Running one claimed job: claim, run the handler, record the outcome, all in one transaction."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import socket
+import threading
+import traceback
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+from sqlalchemy import Connection, Engine
+from sqlalchemy.orm import Session
+
+from sqla_proletarian import statements as sql
+from sqla_proletarian.enqueue import Clock, check_aware
+from sqla_proletarian.errors import (
+    JobCrashedError,
+    PayloadDeserializationError,
+    ProletarianError,
+)
+from sqla_proletarian.handlers import JobContext
+from sqla_proletarian.logs import log_event
+from sqla_proletarian.retry import RetryStrategy, as_retry_strategy
+from sqla_proletarian.serialization import Serializer
+
+Outcome = Literal["succeeded", "retried", "failed"]
+RetryStrategyFn = Callable[[JobContext, Exception], RetryStrategy | None]
+FailedJobHandler = Callable[[JobContext, Exception], object]
+
+#: Longest error text kept in the archive.
+MAX_ERROR_TEXT = 4000
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What a JobRunner needs to know, taken from the worker options."""
+
+    queue: str
+    handler: Callable[..., Any]
+    handler_mode: Literal["default", "advanced"]
+    retry_strategy: RetryStrategyFn | None
+    failed_job_handler: FailedJobHandler | None
+    serializer: Serializer
+    clock: Clock
+    worker_id: str
+    max_unclean_ends: int | None
+
+
+@dataclass
+class _Run:
+    run_id: uuid.UUID | None
+    unclean_ends: int
+
+
+def describe(exc: BaseException) -> str:
+    """The archive's error text: the exception type, message and where it was raised."""
+    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    frames = traceback.extract_tb(exc.__traceback__)
+    if frames:
+        last = frames[-1]
+        text += f"\n  at {last.filename}:{last.lineno} in {last.name}"
+    return text[:MAX_ERROR_TEXT]
+
+
+class JobRunner:
+    """Claims and runs jobs one transaction at a time. Thread-safe; shared by worker threads."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        settings: RunSettings,
+        on_outcome: Callable[[Outcome], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.backend = sql.backend_for(engine)
+        self._on_outcome = on_outcome
+        self._connect_lock = threading.Lock()
+        self._host = f"{socket.gethostname()}:{os.getpid()}"
+
+    def now(self) -> datetime:
+        return check_aware("clock()", self.settings.clock())
+
+    def process_one(self) -> bool:
+        """Claim and run at most one job; True if a job was claimed."""
+        tracked = self.settings.max_unclean_ends is not None
+        ledger_needed = tracked and self.backend.separate_run_connection
+        # Take both connections together, one thread at a time, so that threads sharing a
+        # small pool wait for it instead of each holding one connection and waiting forever.
+        with self._connect_lock:
+            conn_cm = self.backend.worker_connection(self.engine)
+            conn = conn_cm.__enter__()
+            try:
+                ledger = self.engine.connect() if ledger_needed else None
+            except BaseException as exc:
+                conn_cm.__exit__(type(exc), exc, exc.__traceback__)
+                raise
+        try:
+            return self._process(conn, ledger)
+        finally:
+            try:
+                if ledger is not None:
+                    ledger.close()
+            finally:
+                conn_cm.__exit__(None, None, None)
+
+    # --- one claim ------------------------------------------------------------------------
+
+    def _process(self, conn: Connection, ledger: Connection | None) -> bool:
+        run: _Run | None = None
+        conn.begin()
+        try:
+            self.backend.begin_claim(conn)
+            row = conn.execute(sql.poll(self.settings.queue, self.now())).mappings().first()
+            if row is None:
+                conn.commit()
+                return False
+            job = dict(row)
+            run = self._start_run(conn, ledger, job)
+            if run is None:
+                conn.commit()
+                return True
+            outcome, failure = self._run(conn, job, run)
+            conn.commit()
+        except BaseException as exc:
+            if conn.in_transaction() and not conn.invalidated:
+                conn.rollback()
+            if not isinstance(exc, Exception) and run is not None and run.run_id is not None:
+                # Stopped from outside (KeyboardInterrupt...): the job is left untouched,
+                # so its run is not an unclean end.
+                self._forget_run(ledger or conn, run.run_id)
+            raise
+        self._finished(job, outcome, failure)
+        return True
+
+    def _forget_run(self, conn: Connection, run_id: uuid.UUID) -> None:
+        try:
+            with conn.begin():
+                conn.execute(sql.end_run(run_id))
+        except Exception as exc:
+            log_event(logging.WARNING, "run-record-cleanup-error", error=repr(exc))
+
+    def _start_run(
+        self, conn: Connection, ledger: Connection | None, job: dict[str, Any]
+    ) -> _Run | None:
+        """Record the run before the handler starts; None if the job was lost meanwhile."""
+        if self.settings.max_unclean_ends is None:
+            return _Run(None, 0)
+        run_id = uuid.uuid4()
+        worker = f"{self.settings.worker_id}@{self._host}/{threading.current_thread().name}"
+        record = sql.start_run(run_id, job["job_id"], worker[:255], self.now())
+        if ledger is not None:
+            with ledger.begin():
+                for statement in self.backend.run_record_setup:
+                    ledger.exec_driver_sql(statement)
+                ledger.execute(record)
+                runs = ledger.execute(sql.count_runs(job["job_id"])).scalar_one()
+            return _Run(run_id, runs - 1)
+        # One connection (SQLite): commit the record, then take the job again.
+        conn.execute(record)
+        runs = conn.execute(sql.count_runs(job["job_id"])).scalar_one()
+        conn.commit()
+        conn.begin()
+        self.backend.begin_claim(conn)
+        again = conn.execute(sql.reselect(job["job_id"])).mappings().first()
+        if again is None:
+            conn.execute(sql.end_run(run_id))
+            return None
+        job.update(again)
+        return _Run(run_id, runs - 1)
+
+    def _run(
+        self, conn: Connection, job: dict[str, Any], run: _Run
+    ) -> tuple[Outcome, tuple[JobContext, Exception] | None]:
+        """Run the handler and write the outcome into the claim's transaction."""
+        fields = self._fields(job)
+        session = Session(bind=conn, join_transaction_mode="create_savepoint")
+        try:
+            try:
+                payload = self.settings.serializer.loads(job["payload"])
+                decode_error = None
+            except Exception as exc:
+                payload = job["payload"]
+                decode_error = PayloadDeserializationError(job["job_id"], str(exc))
+            context = JobContext(
+                job_id=job["job_id"],
+                queue=job["queue"],
+                job_type=job["job_type"],
+                payload=payload,
+                attempts=job["attempts"] + 1,
+                enqueued_at=job["enqueued_at"],
+                process_at=job["process_at"],
+                session=session,
+            )
+            limit = self.settings.max_unclean_ends
+            if limit is not None and run.unclean_ends >= limit:
+                crashed = JobCrashedError(job["job_id"], run.unclean_ends)
+                log_event(logging.ERROR, "job-crashed", **fields, unclean_ends=run.unclean_ends)
+                return self._fail(conn, job, context, crashed, job["attempts"] + run.unclean_ends)
+            if run.unclean_ends:
+                log_event(
+                    logging.WARNING, "job-interrupted", **fields, unclean_ends=run.unclean_ends
+                )
+            log_event(logging.DEBUG, "handling-job", **fields)
+            try:
+                if decode_error is not None:
+                    raise decode_error
+                self._call_handler(context)
+                session.commit()
+            except Exception as exc:
+                log_event(logging.WARNING, "handle-job-exception", **fields, error=repr(exc))
+                _discard(session)
+                return self._after_exception(conn, job, run, context, exc)
+            self._archive(conn, job, "success", job["attempts"] + 1, None)
+            log_event(logging.DEBUG, "job-finished", **fields)
+            return "succeeded", None
+        finally:
+            _discard(session)
+
+    def _call_handler(self, context: JobContext) -> None:
+        if self.settings.handler_mode == "advanced":
+            result = self.settings.handler(context)
+        else:
+            result = self.settings.handler(context.job_type, context.payload)
+        if inspect.isawaitable(result):
+            if inspect.iscoroutine(result):
+                result.close()
+            raise ProletarianError(
+                "the handler returned an awaitable, so its work never ran: handlers must be "
+                "plain functions (wrap async code with asyncio.run)"
+            )
+
+    def _after_exception(
+        self, conn: Connection, job: dict[str, Any], run: _Run, context: JobContext, exc: Exception
+    ) -> tuple[Outcome, tuple[JobContext, Exception] | None]:
+        attempt = job["attempts"] + 1
+        strategy = self._strategy(context, exc)
+        left = strategy.retries_left(attempt) if strategy is not None else 0
+        fields = self._fields(job)
+        if strategy is None or left <= 0:
+            log_event(logging.INFO, "not-retrying", **fields)
+            return self._fail(conn, job, context, exc, attempt)
+        retry_at = strategy.retry_at(attempt, self.now())
+        conn.execute(sql.retry(job["job_id"], retry_at))
+        if run.run_id is not None:
+            conn.execute(sql.end_run(run.run_id))
+        log_event(
+            logging.INFO, "retrying", **fields, retry_at=retry_at.isoformat(), retries_left=left
+        )
+        return "retried", None
+
+    def _strategy(self, context: JobContext, exc: Exception) -> RetryStrategy | None:
+        if self.settings.retry_strategy is None:
+            return None
+        try:
+            return as_retry_strategy(self.settings.retry_strategy(context, exc))
+        except Exception as error:
+            log_event(
+                logging.ERROR,
+                "retry-strategy-error",
+                **self._fields_of(context),
+                error=repr(error),
+                hint="the retry strategy raised; the job is archived as failed",
+            )
+            return None
+
+    def _fail(
+        self,
+        conn: Connection,
+        job: dict[str, Any],
+        context: JobContext,
+        exc: Exception,
+        attempts: int,
+    ) -> tuple[Outcome, tuple[JobContext, Exception] | None]:
+        self._archive(conn, job, "failure", attempts, describe(exc))
+        return "failed", (context, exc)
+
+    def _archive(
+        self, conn: Connection, job: dict[str, Any], status: str, attempts: int, error: str | None
+    ) -> None:
+        conn.execute(
+            sql.archive(job, status=status, attempts=attempts, finished_at=self.now(), error=error)
+        )
+        conn.execute(sql.delete_job(job["job_id"]))
+        if self.settings.max_unclean_ends is not None:
+            conn.execute(sql.end_runs(job["job_id"]))
+
+    def _finished(
+        self,
+        job: dict[str, Any],
+        outcome: Outcome,
+        failure: tuple[JobContext, Exception] | None,
+    ) -> None:
+        """After the commit: count the outcome and call the failed-job handler."""
+        if self._on_outcome is not None:
+            self._on_outcome(outcome)
+        if failure is None or self.settings.failed_job_handler is None:
+            return
+        context, exc = failure
+        try:
+            self.settings.failed_job_handler(context, exc)
+        except Exception as error:
+            log_event(
+                logging.ERROR,
+                "failed-job-handler-error",
+                **self._fields(job),
+                error=repr(error),
+                hint="the job stays archived as failed",
+            )
+
+    def _fields(self, job: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "worker_id": self.settings.worker_id,
+            "thread_name": threading.current_thread().name,
+            "job_id": job["job_id"],
+            "job_type": job["job_type"],
+            "queue": job["queue"],
+            "attempt": job["attempts"] + 1,
+        }
+
+    def _fields_of(self, context: JobContext) -> dict[str, Any]:
+        return {
+            "worker_id": self.settings.worker_id,
+            "thread_name": threading.current_thread().name,
+            "job_id": context.job_id,
+            "job_type": context.job_type,
+            "queue": context.queue,
+            "attempt": context.attempts,
+        }
+
+
+def _discard(session: Session) -> None:
+    """Close a handler's session, rolling back what it did not commit."""
+    try:
+        session.close()
+    except Exception as exc:
+        log_event(logging.DEBUG, "session-close-error", error=repr(exc))

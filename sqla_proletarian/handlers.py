@@ -1,0 +1,87 @@
+"""What a handler receives (JobContext) and a dispatch table by job type (JobHandlers)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, TypeVar
+
+from sqlalchemy.orm import Session
+
+from sqla_proletarian.errors import ConfigurationError, UnknownJobTypeError
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """A claimed job, as an advanced-mode handler (and retry strategies) see it.
+
+    ``attempts`` is 1 on the first run. ``session`` is bound to the job's own transaction:
+    what the handler writes through it commits with the job's archive row, or rolls back if
+    the handler raises.
+    """
+
+    job_id: uuid.UUID
+    queue: str
+    job_type: str
+    payload: Any
+    attempts: int
+    enqueued_at: datetime
+    process_at: datetime
+    session: Session = field(repr=False, compare=False)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class JobHandlers:
+    """A handler that dispatches on job type, like Proletarian's ``defmulti``.
+
+    Works in both handler modes: registered functions receive exactly what the worker
+    passes, ``(job_type, payload)`` or ``(job)``.
+    """
+
+    def __init__(self) -> None:
+        self._handlers: dict[str, Callable[..., Any]] = {}
+        self._default: Callable[..., Any] | None = None
+
+    def register(self, job_type: str) -> Callable[[F], F]:
+        """Decorator: handle jobs of ``job_type`` with the decorated function."""
+        if not isinstance(job_type, str) or not job_type:
+            raise ConfigurationError(f"job type {job_type!r}: give a non-empty string")
+
+        def decorate(fn: F) -> F:
+            if job_type in self._handlers:
+                raise ConfigurationError(
+                    f"job type {job_type!r} already has a handler "
+                    f"({self._handlers[job_type].__qualname__}); register each type once"
+                )
+            self._handlers[job_type] = fn
+            return fn
+
+        return decorate
+
+    def default(self, fn: F) -> F:
+        """Decorator: handle every job type that has no handler of its own."""
+        self._default = fn
+        return fn
+
+    def handler_for(self, job_type: str) -> Callable[..., Any]:
+        """The function that handles ``job_type``; raises UnknownJobTypeError if none does."""
+        handler = self._handlers.get(job_type, self._default)
+        if handler is None:
+            raise UnknownJobTypeError(job_type)
+        return handler
+
+    def __contains__(self, job_type: object) -> bool:
+        return job_type in self._handlers
+
+    def __call__(self, *args: Any) -> Any:
+        if len(args) == 2:
+            return self.handler_for(args[0])(*args)
+        if len(args) == 1 and isinstance(args[0], JobContext):
+            return self.handler_for(args[0].job_type)(args[0])
+        raise TypeError(
+            "JobHandlers is called as handler(job_type, payload) or handler(job: JobContext)"
+        )

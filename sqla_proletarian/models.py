@@ -1,0 +1,148 @@
+"""The Job and ArchivedJob declarative models, on the library's own registry and MetaData."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime, timedelta
+from typing import Any, Literal
+
+from sqlalchemy import BigInteger, Index, Integer, MetaData, String, Text, Uuid
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.schema import SchemaItem
+
+from sqla_proletarian.types import UTCDateTime, name_type, payload_type
+
+#: The queue a job goes to and a worker polls when none is named.
+DEFAULT_QUEUE = "default"
+
+JOB_TABLE = "proletarian_job"
+ARCHIVED_JOB_TABLE = "proletarian_archived_job"
+JOB_RUN_TABLE = "proletarian_job_run"
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+#: The library's MetaData: point Alembic autogenerate at it, or create the tables with it.
+metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+Status = Literal["success", "failure"]
+
+_MYSQL_TABLE_ARGS = {"mysql_engine": "InnoDB", "mysql_charset": "utf8mb4"}
+
+
+class Base(DeclarativeBase):
+    """The library's own declarative base; users never subclass it."""
+
+    metadata = metadata
+
+
+class Job(Base):
+    """A job waiting in a queue. ``session.add(Job(...))`` enqueues it like ``enqueue()``.
+
+    ``payload`` holds the serialized text; the handler receives the decoded value.
+    """
+
+    __tablename__ = JOB_TABLE
+    __table_args__ = (
+        Index("ix_proletarian_job_poll", "queue", "process_at", "seq"),
+        _MYSQL_TABLE_ARGS,
+    )
+
+    seq: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer(), "sqlite"), primary_key=True, autoincrement=True
+    )
+    job_id: Mapped[uuid.UUID] = mapped_column(Uuid(), unique=True)
+    queue: Mapped[str] = mapped_column(name_type())
+    job_type: Mapped[str] = mapped_column(name_type())
+    payload: Mapped[str] = mapped_column(payload_type())
+    attempts: Mapped[int] = mapped_column(Integer(), default=0)
+    enqueued_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    process_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+    def __init__(
+        self,
+        *,
+        job_type: str,
+        payload: Any = None,
+        queue: str = DEFAULT_QUEUE,
+        process_at: datetime | None = None,
+        process_in: timedelta | float | None = None,
+        **options: Any,
+    ) -> None:
+        """Validate and fill a job exactly as ``enqueue()`` does; a bad job fails here.
+
+        Further keyword options: ``job_id``, ``serializer``, ``job_id_strategy``, ``clock``.
+        """
+        from sqla_proletarian.enqueue import build_job_values
+
+        values = build_job_values(
+            job_type,
+            payload,
+            queue=queue,
+            process_at=process_at,
+            process_in=process_in,
+            **options,
+        )
+        super().__init__(**values)
+
+    def __repr__(self) -> str:
+        return f"<Job {self.job_id} {self.job_type!r} queue={self.queue!r}>"
+
+
+class ArchivedJob(Base):
+    """A finished job: ``status`` is ``"success"`` or ``"failure"``; ``attempts`` counts runs."""
+
+    __tablename__ = ARCHIVED_JOB_TABLE
+    __table_args__ = (
+        Index("ix_proletarian_archived_job_finished_at", "finished_at"),
+        _MYSQL_TABLE_ARGS,
+    )
+
+    job_id: Mapped[uuid.UUID] = mapped_column(Uuid(), primary_key=True)
+    queue: Mapped[str] = mapped_column(name_type())
+    job_type: Mapped[str] = mapped_column(name_type())
+    payload: Mapped[str] = mapped_column(payload_type())
+    attempts: Mapped[int] = mapped_column(Integer())
+    enqueued_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    process_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    status: Mapped[str] = mapped_column(String(16))
+    finished_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    error: Mapped[str | None] = mapped_column(Text(), nullable=True)
+
+    def __repr__(self) -> str:
+        return f"<ArchivedJob {self.job_id} {self.job_type!r} {self.status}>"
+
+
+class JobRun(Base):
+    """A run in progress, committed before the handler starts and removed with its outcome.
+
+    A row that outlives its run marks an unclean end (the worker died or lost its
+    connection), which is how a job that crashes its worker is stopped from looping.
+    """
+
+    __tablename__ = JOB_RUN_TABLE
+    __table_args__ = (_MYSQL_TABLE_ARGS,)
+
+    run_id: Mapped[uuid.UUID] = mapped_column(Uuid(), primary_key=True)
+    job_id: Mapped[uuid.UUID] = mapped_column(Uuid(), index=True)
+    worker_id: Mapped[str] = mapped_column(String(255))
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+LIBRARY_TABLES = frozenset(metadata.tables)
+
+
+def include_object(
+    obj: SchemaItem, name: str | None, type_: str, reflected: bool, compare_to: Any
+) -> bool:
+    """Alembic ``include_object`` filter that leaves the library's tables to the library.
+
+    Use it in your own ``env.py`` so your autogenerate neither drops nor alters them.
+    """
+    table_name = name if type_ == "table" else getattr(getattr(obj, "table", None), "name", None)
+    return table_name not in LIBRARY_TABLES

@@ -1,0 +1,220 @@
+"""Every statement the worker runs, and the per-dialect facts they depend on.
+
+Statements are SQLAlchemy Core, so they stay portable and no identifier is ever formatted
+into SQL text. Dialect differences are data in ``Backend``, chosen once per engine.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, cast
+
+from sqlalchemy import (
+    Connection,
+    Delete,
+    Engine,
+    Insert,
+    Select,
+    Table,
+    Update,
+    delete,
+    func,
+    insert,
+    select,
+    update,
+)
+from sqlalchemy import exc as sa_exc
+
+from sqla_proletarian.models import ArchivedJob, Job, JobRun
+
+JOB = cast(Table, Job.__table__)
+ARCHIVE = cast(Table, ArchivedJob.__table__)
+RUN = cast(Table, JobRun.__table__)
+
+#: The columns a claimed job is read with, in order.
+JOB_COLUMNS = (
+    JOB.c.job_id,
+    JOB.c.queue,
+    JOB.c.job_type,
+    JOB.c.payload,
+    JOB.c.attempts,
+    JOB.c.enqueued_at,
+    JOB.c.process_at,
+)
+
+
+def poll(queue: str, now: datetime, limit: int = 1) -> Select[Any]:
+    """Claim up to ``limit`` due jobs of a queue, oldest first, skipping locked ones."""
+    return (
+        select(*JOB_COLUMNS)
+        .where(JOB.c.queue == queue, JOB.c.process_at <= now)
+        .order_by(JOB.c.process_at, JOB.c.seq)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    )
+
+
+def reselect(job_id: uuid.UUID) -> Select[Any]:
+    """Read one job again by id (SQLite, after the run was recorded)."""
+    return select(*JOB_COLUMNS).where(JOB.c.job_id == job_id)
+
+
+def archive(
+    job: dict[str, Any], *, status: str, attempts: int, finished_at: datetime, error: str | None
+) -> Insert:
+    """Copy a job into the archive with its outcome."""
+    return insert(ARCHIVE).values(
+        job_id=job["job_id"],
+        queue=job["queue"],
+        job_type=job["job_type"],
+        payload=job["payload"],
+        attempts=attempts,
+        enqueued_at=job["enqueued_at"],
+        process_at=job["process_at"],
+        status=status,
+        finished_at=finished_at,
+        error=error,
+    )
+
+
+def delete_job(job_id: uuid.UUID) -> Delete:
+    """Remove a finished job from the queue."""
+    return delete(JOB).where(JOB.c.job_id == job_id)
+
+
+def retry(job_id: uuid.UUID, retry_at: datetime) -> Update:
+    """Count the failed run and schedule the next one."""
+    return (
+        update(JOB)
+        .where(JOB.c.job_id == job_id)
+        .values(attempts=JOB.c.attempts + 1, process_at=retry_at)
+    )
+
+
+def start_run(run_id: uuid.UUID, job_id: uuid.UUID, worker_id: str, now: datetime) -> Insert:
+    """Record that a run of a job has started (committed before the handler runs)."""
+    return insert(RUN).values(run_id=run_id, job_id=job_id, worker_id=worker_id, started_at=now)
+
+
+def count_runs(job_id: uuid.UUID) -> Select[Any]:
+    """How many runs of a job are on record: the current one plus every unclean end."""
+    return select(func.count()).select_from(RUN).where(RUN.c.job_id == job_id)
+
+
+def end_run(run_id: uuid.UUID) -> Delete:
+    """Remove one run's record: it ended with a recorded outcome."""
+    return delete(RUN).where(RUN.c.run_id == run_id)
+
+
+def end_runs(job_id: uuid.UUID) -> Delete:
+    """Remove every run record of a job that has left the queue."""
+    return delete(RUN).where(RUN.c.job_id == job_id)
+
+
+# --- dialect facts ------------------------------------------------------------------------
+
+#: PostgreSQL SQLSTATEs after which a retry can succeed: serialization failure, deadlock,
+#: lock not available, shutdowns, idle-in-transaction timeout, and connection errors.
+PG_TRANSIENT_SQLSTATES = frozenset({"40001", "40P01", "55P03", "57P01", "57P02", "57P03", "25P03"})
+#: MySQL/MariaDB error numbers of the same kind: lock wait timeout, deadlock, server gone
+#: away, lost connection, cannot connect, shutdown in progress, connection killed.
+MYSQL_TRANSIENT_ERRNOS = frozenset({1205, 1213, 2003, 2006, 2013, 1053, 1927, 4031})
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What differs between dialects, decided once per engine."""
+
+    name: str
+    #: Isolation level the worker's connections use (None: leave the engine's).
+    isolation_level: str | None
+    #: Whether a claim must take the database's write lock first (SQLite).
+    claim_takes_write_lock: bool
+    #: Whether run records go through a second connection (False: the claim's own, SQLite).
+    separate_run_connection: bool
+    #: Statements run at the start of the run-record transaction to make it cheap.
+    run_record_setup: tuple[str, ...] = ()
+
+    @contextmanager
+    def worker_connection(self, engine: Engine) -> Iterator[Connection]:
+        """A connection set up for claiming: isolation level, and SQLite's manual BEGIN."""
+        with engine.connect() as conn:
+            if self.isolation_level is not None:
+                conn.execution_options(isolation_level=self.isolation_level)
+            if not self.claim_takes_write_lock:
+                yield conn
+                return
+            driver = conn.connection.driver_connection
+            previous = getattr(driver, "isolation_level", "")
+            driver.isolation_level = None  # type: ignore[union-attr]
+            try:
+                yield conn
+            finally:
+                if not conn.invalidated:
+                    driver.isolation_level = previous  # type: ignore[union-attr]
+
+    def begin_claim(self, conn: Connection) -> None:
+        """Open the claim's transaction (``conn.begin()`` must already have been called)."""
+        if self.claim_takes_write_lock:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def backend_for(engine: Engine) -> Backend:
+    """The Backend of an engine's dialect."""
+    name = engine.dialect.name
+    if name == "postgresql":
+        return Backend(
+            name,
+            isolation_level="READ COMMITTED",
+            claim_takes_write_lock=False,
+            separate_run_connection=True,
+            run_record_setup=("SET LOCAL synchronous_commit TO OFF",),
+        )
+    if name in ("mysql", "mariadb"):
+        return Backend(
+            name,
+            isolation_level="READ COMMITTED",
+            claim_takes_write_lock=False,
+            separate_run_connection=True,
+        )
+    if name == "sqlite":
+        return Backend(
+            name,
+            isolation_level=None,
+            claim_takes_write_lock=True,
+            separate_run_connection=False,
+        )
+    return Backend(
+        name, isolation_level=None, claim_takes_write_lock=False, separate_run_connection=True
+    )
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a database error is worth retrying after a pause (lost connection, deadlock...)."""
+    if isinstance(exc, sa_exc.TimeoutError):
+        return True
+    if not isinstance(exc, sa_exc.DBAPIError):
+        return False
+    if exc.connection_invalidated:
+        return True
+    orig = exc.orig
+    sqlstate = getattr(orig, "sqlstate", None)
+    if isinstance(sqlstate, str) and (sqlstate in PG_TRANSIENT_SQLSTATES or sqlstate[:2] == "08"):
+        return True
+    args = getattr(orig, "args", ())
+    if args and isinstance(args[0], int) and args[0] in MYSQL_TRANSIENT_ERRNOS:
+        return True
+    module = type(orig).__module__
+    if module.startswith("sqlite3"):
+        message = str(orig).lower()
+        return "locked" in message or "busy" in message
+    # psycopg reports a broken connection as an OperationalError without a SQLSTATE.
+    return (
+        isinstance(exc, sa_exc.OperationalError)
+        and module.startswith("psycopg")
+        and (sqlstate is None)
+    )

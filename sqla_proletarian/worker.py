@@ -1,0 +1,356 @@
+"""The queue worker: threads that poll a queue, run jobs, and shut down gracefully."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any, Literal
+
+from sqlalchemy import Engine
+
+from sqla_proletarian.enqueue import Clock, check_name, utc_now
+from sqla_proletarian.errors import ConfigurationError
+from sqla_proletarian.execution import (
+    FailedJobHandler,
+    JobRunner,
+    Outcome,
+    RetryStrategyFn,
+    RunSettings,
+)
+from sqla_proletarian.logs import log_event
+from sqla_proletarian.models import DEFAULT_QUEUE
+from sqla_proletarian.serialization import DEFAULT_SERIALIZER, Serializer
+from sqla_proletarian.statements import is_transient
+
+DEFAULT_WORKER_THREADS = 1
+#: Seconds to wait before polling again once the queue is drained.
+DEFAULT_POLLING_INTERVAL = 0.1
+#: Seconds stop() waits for running jobs to finish.
+DEFAULT_AWAIT_TERMINATION_TIMEOUT = 10.0
+#: Runs of one job that may end uncleanly (worker died) before it is archived as failed.
+DEFAULT_MAX_UNCLEAN_ENDS = 3
+#: Longest pause between attempts to poll while the database is unreachable.
+MAX_TRANSIENT_BACKOFF = 5.0
+
+PollingErrorHandler = Callable[[Exception], object]
+
+
+def _stop_on_polling_error(exc: Exception) -> bool:
+    """The default polling-error handler: stop, as the original does."""
+    return True
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """A queue worker's options, checked; see create_queue_worker for their meaning."""
+
+    queue: str = DEFAULT_QUEUE
+    worker_threads: int = DEFAULT_WORKER_THREADS
+    polling_interval: float = DEFAULT_POLLING_INTERVAL
+    retry_strategy: RetryStrategyFn | None = None
+    failed_job_handler: FailedJobHandler | None = None
+    on_polling_error: PollingErrorHandler = _stop_on_polling_error
+    handler_mode: Literal["default", "advanced"] = "default"
+    install_signal_handlers: bool = False
+    on_shutdown: Callable[[], object] | None = None
+    await_termination_timeout: float = DEFAULT_AWAIT_TERMINATION_TIMEOUT
+    worker_id: str | None = None
+    serializer: Serializer = field(default=DEFAULT_SERIALIZER)
+    clock: Clock = utc_now
+    max_unclean_ends: int | None = DEFAULT_MAX_UNCLEAN_ENDS
+
+    def __post_init__(self) -> None:
+        check_name("queue", self.queue)
+        _positive_int("worker_threads", self.worker_threads)
+        _non_negative("polling_interval", self.polling_interval)
+        _non_negative("await_termination_timeout", self.await_termination_timeout)
+        if self.handler_mode not in ("default", "advanced"):
+            raise ConfigurationError(
+                f"handler_mode is {self.handler_mode!r}; use 'default' for "
+                "handler(job_type, payload) or 'advanced' for handler(job)"
+            )
+        for name in ("retry_strategy", "failed_job_handler", "on_polling_error", "on_shutdown"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise ConfigurationError(f"{name} is {value!r}; give a function or None")
+        if self.max_unclean_ends is not None:
+            _positive_int("max_unclean_ends", self.max_unclean_ends)
+        if self.worker_id is None:
+            object.__setattr__(self, "worker_id", f"proletarian[{self.queue}]")
+
+    @classmethod
+    def from_kwargs(cls, options: dict[str, Any]) -> WorkerOptions:
+        """Build options from keyword arguments, naming any that do not exist."""
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ConfigurationError(
+                f"unknown worker option(s) {', '.join(unknown)}; "
+                f"the options are {', '.join(sorted(known))}"
+            )
+        return cls(**options)
+
+    def run_settings(self, handler: Callable[..., Any]) -> RunSettings:
+        if not callable(handler):
+            raise ConfigurationError(f"the handler is {handler!r}; give a function")
+        assert self.worker_id is not None
+        return RunSettings(
+            queue=self.queue,
+            handler=handler,
+            handler_mode=self.handler_mode,
+            retry_strategy=self.retry_strategy,
+            failed_job_handler=self.failed_job_handler,
+            serializer=self.serializer,
+            clock=self.clock,
+            worker_id=self.worker_id,
+            max_unclean_ends=self.max_unclean_ends,
+        )
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(f"{name} is {value!r}; give a whole number >= 1")
+
+
+def _non_negative(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ConfigurationError(f"{name} is {value!r}; give a number of seconds >= 0")
+
+
+class QueueWorker:
+    """Worker threads that work off one queue. Use start()/stop() or ``with worker:``."""
+
+    def __init__(self, engine: Engine, handler: Callable[..., Any], options: WorkerOptions) -> None:
+        self.options = options
+        self.worker_id: str = options.worker_id or ""
+        self._runner = JobRunner(engine, options.run_settings(handler), self._count)
+        self._counts: dict[Outcome, int] = {"succeeded": 0, "retried": 0, "failed": 0}
+        self._counts_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._wakeup = threading.Event()
+        self._stopped = threading.Event()
+        self._stop_lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._previous_handlers: dict[int, Any] = {}
+        if options.install_signal_handlers:
+            _require_main_thread()
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> QueueWorker:
+        """Start the worker threads (and the signal handlers, if asked for)."""
+        if self._threads:
+            raise ConfigurationError(f"worker {self.worker_id} was started already")
+        if self.options.install_signal_handlers:
+            self._install_signal_handlers()
+        log_event(
+            logging.INFO,
+            "queue-worker-starting",
+            worker_id=self.worker_id,
+            queue=self.options.queue,
+            worker_threads=self.options.worker_threads,
+        )
+        for index in range(self.options.worker_threads):
+            thread = threading.Thread(
+                target=self._work, name=f"{self.worker_id}-{index}", daemon=True
+            )
+            self._threads.append(thread)
+            thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop polling, let running jobs finish within the timeout, then call on_shutdown."""
+        with self._stop_lock:
+            if self._stopped.is_set():
+                return
+            log_event(logging.INFO, "shutting-down", worker_id=self.worker_id)
+            self._stopping.set()
+            self._wakeup.set()
+            deadline = self.options.await_termination_timeout
+            for thread in self._threads:
+                if thread is not threading.current_thread():
+                    thread.join(deadline)
+            unfinished = [t.name for t in self._threads if t.is_alive()]
+            if unfinished:
+                log_event(
+                    logging.WARNING,
+                    "queue-worker-shutdown-timeout",
+                    worker_id=self.worker_id,
+                    threads=",".join(unfinished),
+                    hint="jobs still running are rolled back when the process exits and "
+                    "will run again",
+                )
+            if self.options.on_shutdown is not None:
+                try:
+                    self.options.on_shutdown()
+                except Exception as exc:
+                    log_event(
+                        logging.ERROR,
+                        "queue-worker-shutdown-error",
+                        worker_id=self.worker_id,
+                        error=repr(exc),
+                    )
+            self._restore_signal_handlers()
+            self._stopped.set()
+            log_event(
+                logging.INFO, "completed-shutdown", worker_id=self.worker_id, **self.summary()
+            )
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the worker has stopped; True if it has."""
+        return self._stopped.wait(timeout)
+
+    def wake(self) -> None:
+        """Make idle threads poll now instead of after the polling interval."""
+        self._wakeup.set()
+
+    @property
+    def running(self) -> bool:
+        return bool(self._threads) and not self._stopped.is_set()
+
+    def summary(self) -> dict[str, int]:
+        """How many jobs this worker has run to each outcome."""
+        with self._counts_lock:
+            return {str(outcome): count for outcome, count in self._counts.items()}
+
+    def summary_text(self) -> str:
+        counts = self.summary()
+        return (
+            f"{counts['succeeded']} succeeded, {counts['retried']} retried, "
+            f"{counts['failed']} failed"
+        )
+
+    def __enter__(self) -> QueueWorker:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    # --- the threads ----------------------------------------------------------------------
+
+    def _count(self, outcome: Outcome) -> None:
+        with self._counts_lock:
+            self._counts[outcome] += 1
+
+    def _work(self) -> None:
+        backoff = 0.0
+        while not self._stopping.is_set():
+            try:
+                ran = self._runner.process_one()
+                backoff = 0.0
+            except Exception as exc:
+                if is_transient(exc):
+                    backoff = min(MAX_TRANSIENT_BACKOFF, max(0.05, backoff * 2))
+                    log_event(
+                        logging.WARNING,
+                        "transient-polling-error",
+                        worker_id=self.worker_id,
+                        error=repr(exc),
+                        retry_in=round(backoff, 3),
+                    )
+                    self._stopping.wait(backoff * random.uniform(0.5, 1.0))
+                    continue
+                if self._polling_error(exc):
+                    self._stop_from_thread()
+                    return
+                self._idle()
+                continue
+            except BaseException as exc:
+                log_event(
+                    logging.ERROR, "job-worker-error", worker_id=self.worker_id, error=repr(exc)
+                )
+                self._stop_from_thread()
+                return
+            if not ran:
+                self._idle()
+
+    def _idle(self) -> None:
+        """Pause after the queue is drained; wake() or stop() ends the pause early."""
+        self._wakeup.wait(self.options.polling_interval)
+        if not self._stopping.is_set():
+            self._wakeup.clear()
+
+    def _polling_error(self, exc: Exception) -> bool:
+        """Hand a non-transient polling error to on_polling_error; True means stop."""
+        log_event(logging.ERROR, "polling-error", worker_id=self.worker_id, error=repr(exc))
+        try:
+            return bool(self.options.on_polling_error(exc))
+        except Exception as error:
+            log_event(
+                logging.ERROR,
+                "polling-error-handler-error",
+                worker_id=self.worker_id,
+                error=repr(error),
+            )
+            return True
+
+    def _stop_from_thread(self) -> None:
+        """Stop the whole worker from one of its own threads, without joining itself."""
+        self._stopping.set()
+        self._wakeup.set()
+        threading.Thread(target=self.stop, name=f"{self.worker_id}-stopper", daemon=True).start()
+
+    # --- signals --------------------------------------------------------------------------
+
+    def _install_signal_handlers(self) -> None:
+        _require_main_thread()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
+
+    def _restore_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        while self._previous_handlers:
+            signum, handler = self._previous_handlers.popitem()
+            signal.signal(signum, handler)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        """Stop gracefully, print the summary, then exit as the signal would have."""
+        name = signal.Signals(signum).name
+        print(f"{self.worker_id}: {name} received, finishing running jobs...", file=sys.stderr)
+        self.stop()
+        print(f"{self.worker_id} stopped: {self.summary_text()}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+def _require_main_thread() -> None:
+    if threading.current_thread() is not threading.main_thread():
+        raise ConfigurationError(
+            "install_signal_handlers=True needs the main thread (Python delivers signals "
+            "only there); create and start the worker in the main thread, or leave it False "
+            "and call worker.stop() from your own shutdown code"
+        )
+
+
+def create_queue_worker(engine: Engine, handler: Callable[..., Any], **options: Any) -> QueueWorker:
+    """A QueueWorker for ``engine`` that runs ``handler``; call ``.start()`` to begin.
+
+    Options: ``queue`` ("default"), ``worker_threads`` (1), ``polling_interval`` (0.1 s),
+    ``retry_strategy`` (``(job, exc) -> RetryStrategy | None``; default no retries),
+    ``failed_job_handler`` (``(job, exc)``), ``on_polling_error`` (``(exc) -> bool``, True
+    stops; default stops), ``handler_mode`` ("default": ``handler(job_type, payload)``;
+    "advanced": ``handler(job)``), ``install_signal_handlers`` (False), ``on_shutdown``,
+    ``await_termination_timeout`` (10 s), ``worker_id``, ``serializer``, ``clock`` and
+    ``max_unclean_ends`` (3; None turns crash accounting off).
+    """
+    return QueueWorker(engine, handler, WorkerOptions.from_kwargs(options))
+
+
+def process_next_job(engine: Engine, handler: Callable[..., Any], **options: Any) -> bool:
+    """Run at most one due job of the queue in the calling thread; True if one was run.
+
+    Takes the worker options that apply to one job (``queue``, ``retry_strategy``,
+    ``failed_job_handler``, ``handler_mode``, ``worker_id``, ``serializer``, ``clock``,
+    ``max_unclean_ends``). Database errors are raised to the caller.
+    """
+    settings = WorkerOptions.from_kwargs(options).run_settings(handler)
+    return JobRunner(engine, settings).process_one()

@@ -1,0 +1,138 @@
+"""Shared fixtures: one fresh database per test on every backend the run covers.
+
+Backends: SQLite always; PostgreSQL and MariaDB from ``SP_TEST_POSTGRESQL_URL`` and
+``SP_TEST_MARIADB_URL`` (admin URLs; ``make test`` starts the servers and sets them).
+``SP_TEST_BACKENDS`` (comma list) narrows the run. Under ``CI`` a missing server is an error,
+never a silent skip.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import URL, make_url
+
+import sqla_proletarian as sp
+
+ALL_BACKENDS = ("sqlite", "postgresql", "mariadb")
+SERVER_URL_VARS = {"postgresql": "SP_TEST_POSTGRESQL_URL", "mariadb": "SP_TEST_MARIADB_URL"}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--soak", action="store_true", help="run the long fault-injection soak")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--soak"):
+        return
+    skip = pytest.mark.skip(reason="soak run: pass --soak (make soak)")
+    for item in items:
+        if "soak" in item.keywords:
+            item.add_marker(skip)
+
+
+def selected_backends() -> list[str]:
+    wanted = os.environ.get("SP_TEST_BACKENDS")
+    if not wanted:
+        return list(ALL_BACKENDS)
+    names = [name.strip() for name in wanted.split(",") if name.strip()]
+    unknown = set(names) - set(ALL_BACKENDS)
+    if unknown:
+        raise pytest.UsageError(f"SP_TEST_BACKENDS names unknown backends: {sorted(unknown)}")
+    return names
+
+
+def server_url(backend: str) -> URL:
+    """The admin URL of a server backend, or a skip (an error under CI) when it is absent."""
+    value = os.environ.get(SERVER_URL_VARS[backend])
+    if not value:
+        message = f"{SERVER_URL_VARS[backend]} is not set: run the tests with `make test`"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return make_url(value)
+
+
+class Database:
+    """A throwaway database on one backend: its URL, and how to make engines on it."""
+
+    def __init__(self, backend: str, url: URL) -> None:
+        self.backend = backend
+        self.url = url
+        self._engines: list[sa.Engine] = []
+
+    def engine(self, **kwargs: object) -> sa.Engine:
+        engine = sa.create_engine(self.url, **kwargs)  # type: ignore[arg-type]
+        self._engines.append(engine)
+        return engine
+
+    def dispose(self) -> None:
+        for engine in self._engines:
+            engine.dispose()
+
+
+def _create_database(backend: str, tmp_path: Path) -> tuple[URL, sa.Engine | None, str]:
+    if backend == "sqlite":
+        return make_url(f"sqlite:///{tmp_path / 'jobs.db'}"), None, ""
+    admin_url = server_url(backend)
+    name = f"sp_{uuid.uuid4().hex[:16]}"
+    admin = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f"CREATE DATABASE {name}")
+    return admin_url.set(database=name), admin, name
+
+
+def _drop_database(backend: str, admin: sa.Engine | None, name: str) -> None:
+    if admin is None:
+        return
+    with admin.connect() as conn:
+        if backend == "postgresql":
+            conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        else:
+            for (pid,) in conn.exec_driver_sql(
+                "SELECT id FROM information_schema.processlist WHERE db = %s", (name,)
+            ):
+                try:
+                    conn.exec_driver_sql(f"KILL {int(pid)}")
+                except sa.exc.DBAPIError:
+                    pass
+            conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name}")
+    admin.dispose()
+
+
+@pytest.fixture(params=selected_backends())
+def empty_database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
+    """A fresh, empty database on each selected backend (no tables)."""
+    backend: str = request.param
+    url, admin, name = _create_database(backend, tmp_path)
+    database = Database(backend, url)
+    try:
+        yield database
+    finally:
+        database.dispose()
+        _drop_database(backend, admin, name)
+
+
+@pytest.fixture
+def database(empty_database: Database) -> Database:
+    """A fresh database on each selected backend, with the library's tables created."""
+    engine = empty_database.engine()
+    sp.metadata.create_all(engine)
+    engine.dispose()
+    return empty_database
+
+
+@pytest.fixture
+def engine(database: Database) -> sa.Engine:
+    """An engine on a fresh database with the library's tables."""
+    return database.engine()
+
+
+@pytest.fixture
+def backend(database: Database) -> str:
+    return database.backend
