@@ -10,6 +10,7 @@ import threading
 import traceback
 import uuid
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
@@ -90,25 +91,16 @@ class JobRunner:
     def process_one(self) -> bool:
         """Claim and run at most one job; True if a job was claimed."""
         tracked = self.settings.max_unclean_ends is not None
-        ledger_needed = tracked and self.backend.separate_run_connection
-        # Take both connections together, one thread at a time, so that threads sharing a
-        # small pool wait for it instead of each holding one connection and waiting forever.
-        with self._connect_lock:
-            conn_cm = self.backend.worker_connection(self.engine)
-            conn = conn_cm.__enter__()
-            try:
-                ledger = self.engine.connect() if ledger_needed else None
-            except BaseException as exc:
-                conn_cm.__exit__(type(exc), exc, exc.__traceback__)
-                raise
-        try:
+        with ExitStack() as stack:
+            # Take both connections together, one thread at a time, so that threads sharing
+            # a small pool wait for it instead of each holding one and waiting forever.
+            with self._connect_lock:
+                conn = stack.enter_context(self.backend.worker_connection(self.engine))
+                ledger = None
+                if tracked and self.backend.separate_run_connection:
+                    ledger = stack.enter_context(self.engine.connect())
             return self._process(conn, ledger)
-        finally:
-            try:
-                if ledger is not None:
-                    ledger.close()
-            finally:
-                conn_cm.__exit__(None, None, None)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     # --- one claim ------------------------------------------------------------------------
 
@@ -129,8 +121,15 @@ class JobRunner:
             outcome, failure = self._run(conn, job, run)
             conn.commit()
         except BaseException as exc:
-            if conn.in_transaction() and not conn.invalidated:
-                conn.rollback()
+            _rollback_quietly(conn)
+            if run is not None and isinstance(exc, Exception):
+                log_event(
+                    logging.ERROR,
+                    "job-connection-lost",
+                    **self._fields(job),
+                    error=repr(exc),
+                    hint=sql.connection_loss_hint(exc),
+                )
             if not isinstance(exc, Exception) and run is not None and run.run_id is not None:
                 # Stopped from outside (KeyboardInterrupt...): the job is left untouched,
                 # so its run is not an unclean end.
@@ -333,6 +332,15 @@ class JobRunner:
             "queue": context.queue,
             "attempt": context.attempts,
         }
+
+
+def _rollback_quietly(conn: Connection) -> None:
+    """Roll back the claim's transaction; a dead connection has nothing left to roll back."""
+    try:
+        if conn.in_transaction() and not conn.invalidated:
+            conn.rollback()
+    except Exception as exc:
+        log_event(logging.DEBUG, "rollback-error", error=repr(exc))
 
 
 def _discard(session: Session) -> None:

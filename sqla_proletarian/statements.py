@@ -218,3 +218,32 @@ def is_transient(exc: BaseException) -> bool:
         and module.startswith("psycopg")
         and (sqlstate is None)
     )
+
+
+def connection_loss_hint(exc: BaseException) -> str:
+    """What to change when a job's transaction was cut off by the server or the network."""
+    orig = getattr(exc, "orig", None)
+    sqlstate = getattr(orig, "sqlstate", None)
+    message = str(orig if orig is not None else exc).lower()
+    if sqlstate == "25P03" or "idle-in-transaction" in message or "idle_in_transaction" in message:
+        return (
+            "the job's transaction sat idle longer than PostgreSQL's "
+            "idle_in_transaction_session_timeout, so the server ended the worker's session; "
+            "the job will run again. Raise the timeout for the worker's role "
+            "(ALTER ROLE <worker> SET idle_in_transaction_session_timeout = '<longer>') or "
+            "make the job shorter"
+        )
+    if "idle_transaction_timeout" in message or "idle_write_transaction_timeout" in message:
+        return (
+            "the job's transaction sat idle longer than MariaDB's idle_transaction_timeout; "
+            "the job will run again. Raise it for the worker's sessions or make the job shorter"
+        )
+    if sqlstate == "57014" or "statement timeout" in message:
+        return (
+            "a statement ran longer than statement_timeout; raise it for the worker's role "
+            "or make the statement faster"
+        )
+    return (
+        "the database connection was lost while the job ran (server restart, network, or the "
+        "connection was terminated); the job's transaction rolled back and it will run again"
+    )

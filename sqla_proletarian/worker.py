@@ -314,12 +314,22 @@ class QueueWorker:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         """Stop gracefully, print the summary, then exit as the signal would have."""
         name = signal.Signals(signum).name
+        if self._stopping.is_set() and not self._stopped.is_set():
+            # A second signal while jobs finish: exit now; their transactions roll back.
+            print(f"{self.worker_id}: {name} again, exiting at once", file=sys.stderr)
+            _exit_as_signal(signum)
         print(f"{self.worker_id}: {name} received, finishing running jobs...", file=sys.stderr)
         self.stop()
         print(f"{self.worker_id} stopped: {self.summary_text()}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+        _exit_as_signal(signum)
+
+
+def _exit_as_signal(signum: int) -> None:
+    """End the process the way ``signum`` would have ended it without a handler."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 def _require_main_thread() -> None:
