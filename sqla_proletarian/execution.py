@@ -54,6 +54,27 @@ class RunSettings:
 
 
 @dataclass
+class WorkerConnections:
+    """A thread's claim connection and run-ledger connection, released together."""
+
+    conn: Connection
+    ledger: Connection | None
+    _stack: ExitStack
+
+    def close(self) -> None:
+        try:
+            self._stack.close()
+        except Exception as exc:
+            log_event(logging.DEBUG, "connection-close-error", error=repr(exc))
+
+    def __enter__(self) -> WorkerConnections:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+@dataclass
 class _Run:
     run_id: uuid.UUID | None
     unclean_ends: int
@@ -88,19 +109,25 @@ class JobRunner:
     def now(self) -> datetime:
         return check_aware("clock()", self.settings.clock())
 
-    def process_one(self) -> bool:
-        """Claim and run at most one job; True if a job was claimed."""
-        tracked = self.settings.max_unclean_ends is not None
-        with ExitStack() as stack:
-            # Take both connections together, one thread at a time, so that threads sharing
-            # a small pool wait for it instead of each holding one and waiting forever.
-            with self._connect_lock:
-                conn = stack.enter_context(self.backend.worker_connection(self.engine))
-                ledger = None
-                if tracked and self.backend.separate_run_connection:
-                    ledger = stack.enter_context(self.engine.connect())
-            return self._process(conn, ledger)
+    def open_connections(self) -> WorkerConnections:
+        """The connections a thread claims with; hold them across jobs, close on errors."""
+        stack = ExitStack()
+        # Take both connections together, one thread at a time, so that threads sharing a
+        # small pool wait for it instead of each holding one and waiting forever.
+        with self._connect_lock, stack:
+            conn = stack.enter_context(self.backend.worker_connection(self.engine))
+            ledger = None
+            if self.settings.max_unclean_ends is not None and self.backend.separate_run_connection:
+                ledger = stack.enter_context(self.backend.run_ledger_connection(self.engine))
+            return WorkerConnections(conn, ledger, stack.pop_all())
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def process_one(self, connections: WorkerConnections | None = None) -> bool:
+        """Claim and run at most one job; True if a job was claimed."""
+        if connections is not None:
+            return self._process(connections.conn, connections.ledger)
+        with self.open_connections() as opened:
+            return self._process(opened.conn, opened.ledger)
 
     # --- one claim ------------------------------------------------------------------------
 
@@ -109,7 +136,9 @@ class JobRunner:
         conn.begin()
         try:
             self.backend.begin_claim(conn)
-            row = conn.execute(sql.poll(self.settings.queue, self.now())).mappings().first()
+            tracked = self.settings.max_unclean_ends is not None
+            claim = sql.poll(self.settings.queue, self.now(), with_runs=tracked)
+            row = conn.execute(*claim).mappings().first()
             if row is None:
                 conn.commit()
                 return False
@@ -140,39 +169,40 @@ class JobRunner:
 
     def _forget_run(self, conn: Connection, run_id: uuid.UUID) -> None:
         try:
-            with conn.begin():
-                conn.execute(sql.end_run(run_id))
+            conn.execute(*sql.end_run(run_id))
+            if conn.in_transaction():
+                conn.commit()
         except Exception as exc:
             log_event(logging.WARNING, "run-record-cleanup-error", error=repr(exc))
 
     def _start_run(
         self, conn: Connection, ledger: Connection | None, job: dict[str, Any]
     ) -> _Run | None:
-        """Record the run before the handler starts; None if the job was lost meanwhile."""
+        """Record the run before the handler starts; None if the job was lost meanwhile.
+
+        Every run leaves a record; a failed run's record stays beside the attempt it
+        counted, so the records beyond ``attempts`` are the runs that ended uncleanly.
+        """
         if self.settings.max_unclean_ends is None:
             return _Run(None, 0)
+        unclean_ends = max(0, job.pop("runs") - job["attempts"])
         run_id = uuid.uuid4()
         worker = f"{self.settings.worker_id}@{self._host}/{threading.current_thread().name}"
         record = sql.start_run(run_id, job["job_id"], worker[:255], self.now())
         if ledger is not None:
-            with ledger.begin():
-                for statement in self.backend.run_record_setup:
-                    ledger.exec_driver_sql(statement)
-                ledger.execute(record)
-                runs = ledger.execute(sql.count_runs(job["job_id"])).scalar_one()
-            return _Run(run_id, runs - 1)
+            ledger.execute(*record)
+            return _Run(run_id, unclean_ends)
         # One connection (SQLite): commit the record, then take the job again.
-        conn.execute(record)
-        runs = conn.execute(sql.count_runs(job["job_id"])).scalar_one()
+        conn.execute(*record)
         conn.commit()
         conn.begin()
         self.backend.begin_claim(conn)
-        again = conn.execute(sql.reselect(job["job_id"])).mappings().first()
+        again = conn.execute(*sql.reselect(job["job_id"])).mappings().first()
         if again is None:
-            conn.execute(sql.end_run(run_id))
+            conn.execute(*sql.end_run(run_id))
             return None
         job.update(again)
-        return _Run(run_id, runs - 1)
+        return _Run(run_id, unclean_ends)
 
     def _run(
         self, conn: Connection, job: dict[str, Any], run: _Run
@@ -246,9 +276,7 @@ class JobRunner:
             log_event(logging.INFO, "not-retrying", **fields)
             return self._fail(conn, job, context, exc, attempt)
         retry_at = strategy.retry_at(attempt, self.now())
-        conn.execute(sql.retry(job["job_id"], retry_at))
-        if run.run_id is not None:
-            conn.execute(sql.end_run(run.run_id))
+        conn.execute(*sql.retry(job["job_id"], retry_at))
         log_event(
             logging.INFO, "retrying", **fields, retry_at=retry_at.isoformat(), retries_left=left
         )
@@ -284,11 +312,15 @@ class JobRunner:
         self, conn: Connection, job: dict[str, Any], status: str, attempts: int, error: str | None
     ) -> None:
         conn.execute(
-            sql.archive(job, status=status, attempts=attempts, finished_at=self.now(), error=error)
+            *sql.archive(job, status=status, attempts=attempts, finished_at=self.now(), error=error)
         )
-        conn.execute(sql.delete_job(job["job_id"]))
-        if self.settings.max_unclean_ends is not None:
-            conn.execute(sql.end_runs(job["job_id"]))
+        if self.settings.max_unclean_ends is None:
+            conn.execute(*sql.delete_job(job["job_id"]))
+        elif self.backend.deletes_runs_with_job:
+            conn.execute(*sql.delete_job_and_runs(job["job_id"]))
+        else:
+            conn.execute(*sql.delete_job(job["job_id"]))
+            conn.execute(*sql.end_runs(job["job_id"]))
 
     def _finished(
         self,

@@ -11,16 +11,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
+from functools import cache
 from typing import Any, cast
 
 from sqlalchemy import (
     Connection,
-    Delete,
     Engine,
-    Insert,
+    Executable,
     Select,
     Table,
-    Update,
+    bindparam,
     delete,
     func,
     insert,
@@ -47,72 +47,120 @@ JOB_COLUMNS = (
 )
 
 
-def poll(queue: str, now: datetime, limit: int = 1) -> Select[Any]:
-    """Claim up to ``limit`` due jobs of a queue, oldest first, skipping locked ones."""
+Statement = tuple[Executable, dict[str, Any]]
+
+
+#: How many run records a job has; read with the claim, locking nothing in the ledger.
+_RUNS = (
+    select(func.count())
+    .where(RUN.c.job_id == JOB.c.job_id)
+    .correlate(JOB)
+    .scalar_subquery()
+    .label("runs")
+)
+
+
+@cache
+def _poll(limit: int, with_runs: bool) -> Select[Any]:
+    columns = (*JOB_COLUMNS, _RUNS) if with_runs else JOB_COLUMNS
     return (
-        select(*JOB_COLUMNS)
-        .where(JOB.c.queue == queue, JOB.c.process_at <= now)
+        select(*columns)
+        .where(JOB.c.queue == bindparam("queue"), JOB.c.process_at <= bindparam("now"))
         .order_by(JOB.c.process_at, JOB.c.seq)
         .limit(limit)
         .with_for_update(skip_locked=True)
     )
 
 
-def reselect(job_id: uuid.UUID) -> Select[Any]:
+def poll(queue: str, now: datetime, limit: int = 1, *, with_runs: bool = False) -> Statement:
+    """Claim up to ``limit`` due jobs of a queue, oldest first, skipping locked ones.
+
+    ``with_runs`` adds ``runs``: the job's run records, for counting unclean ends.
+    """
+    return _poll(limit, with_runs), {"queue": queue, "now": now}
+
+
+_RESELECT = select(*JOB_COLUMNS).where(JOB.c.job_id == bindparam("job_id"))
+
+
+def reselect(job_id: uuid.UUID) -> Statement:
     """Read one job again by id (SQLite, after the run was recorded)."""
-    return select(*JOB_COLUMNS).where(JOB.c.job_id == job_id)
+    return _RESELECT, {"job_id": job_id}
+
+
+_ARCHIVE = insert(ARCHIVE)
 
 
 def archive(
     job: dict[str, Any], *, status: str, attempts: int, finished_at: datetime, error: str | None
-) -> Insert:
+) -> Statement:
     """Copy a job into the archive with its outcome."""
-    return insert(ARCHIVE).values(
-        job_id=job["job_id"],
-        queue=job["queue"],
-        job_type=job["job_type"],
-        payload=job["payload"],
-        attempts=attempts,
-        enqueued_at=job["enqueued_at"],
-        process_at=job["process_at"],
-        status=status,
-        finished_at=finished_at,
-        error=error,
-    )
+    return _ARCHIVE, {
+        "job_id": job["job_id"],
+        "queue": job["queue"],
+        "job_type": job["job_type"],
+        "payload": job["payload"],
+        "attempts": attempts,
+        "enqueued_at": job["enqueued_at"],
+        "process_at": job["process_at"],
+        "status": status,
+        "finished_at": finished_at,
+        "error": error,
+    }
 
 
-def delete_job(job_id: uuid.UUID) -> Delete:
+_DELETE_JOB = delete(JOB).where(JOB.c.job_id == bindparam("job_id"))
+_END_RUNS = delete(RUN).where(RUN.c.job_id == bindparam("job_id"))
+#: PostgreSQL removes the job and its run records in one statement.
+_DELETE_JOB_AND_RUNS = _DELETE_JOB.add_cte(_END_RUNS.cte("ended_runs"))
+
+
+def delete_job(job_id: uuid.UUID) -> Statement:
     """Remove a finished job from the queue."""
-    return delete(JOB).where(JOB.c.job_id == job_id)
+    return _DELETE_JOB, {"job_id": job_id}
 
 
-def retry(job_id: uuid.UUID, retry_at: datetime) -> Update:
-    """Count the failed run and schedule the next one."""
-    return (
-        update(JOB)
-        .where(JOB.c.job_id == job_id)
-        .values(attempts=JOB.c.attempts + 1, process_at=retry_at)
-    )
-
-
-def start_run(run_id: uuid.UUID, job_id: uuid.UUID, worker_id: str, now: datetime) -> Insert:
-    """Record that a run of a job has started (committed before the handler runs)."""
-    return insert(RUN).values(run_id=run_id, job_id=job_id, worker_id=worker_id, started_at=now)
-
-
-def count_runs(job_id: uuid.UUID) -> Select[Any]:
-    """How many runs of a job are on record: the current one plus every unclean end."""
-    return select(func.count()).select_from(RUN).where(RUN.c.job_id == job_id)
-
-
-def end_run(run_id: uuid.UUID) -> Delete:
-    """Remove one run's record: it ended with a recorded outcome."""
-    return delete(RUN).where(RUN.c.run_id == run_id)
-
-
-def end_runs(job_id: uuid.UUID) -> Delete:
+def end_runs(job_id: uuid.UUID) -> Statement:
     """Remove every run record of a job that has left the queue."""
-    return delete(RUN).where(RUN.c.job_id == job_id)
+    return _END_RUNS, {"job_id": job_id}
+
+
+def delete_job_and_runs(job_id: uuid.UUID) -> Statement:
+    """Remove a finished job and its run records at once (PostgreSQL)."""
+    return _DELETE_JOB_AND_RUNS, {"job_id": job_id}
+
+
+_RETRY = (
+    update(JOB)
+    .where(JOB.c.job_id == bindparam("id"))
+    .values(attempts=JOB.c.attempts + 1, process_at=bindparam("retry_at"))
+)
+
+
+def retry(job_id: uuid.UUID, retry_at: datetime) -> Statement:
+    """Count the failed run and schedule the next one."""
+    return _RETRY, {"id": job_id, "retry_at": retry_at}
+
+
+_START_RUN = insert(RUN)
+
+
+def start_run(run_id: uuid.UUID, job_id: uuid.UUID, worker_id: str, now: datetime) -> Statement:
+    """Record that a run of a job has started (committed before the handler runs)."""
+    return _START_RUN, {
+        "run_id": run_id,
+        "job_id": job_id,
+        "worker_id": worker_id,
+        "started_at": now,
+    }
+
+
+_END_RUN = delete(RUN).where(RUN.c.run_id == bindparam("run_id"))
+
+
+def end_run(run_id: uuid.UUID) -> Statement:
+    """Remove one run's record: it ended with a recorded outcome."""
+    return _END_RUN, {"run_id": run_id}
 
 
 # --- dialect facts ------------------------------------------------------------------------
@@ -136,8 +184,12 @@ class Backend:
     claim_takes_write_lock: bool
     #: Whether run records go through a second connection (False: the claim's own, SQLite).
     separate_run_connection: bool
-    #: Statements run at the start of the run-record transaction to make it cheap.
-    run_record_setup: tuple[str, ...] = ()
+    #: Session settings of the run-record connection that make its commits cheap, and
+    #: the statements that undo them before it goes back to the pool.
+    run_ledger_setup: tuple[str, ...] = ()
+    run_ledger_reset: tuple[str, ...] = ()
+    #: Whether one statement can delete a job and its run records (a DML CTE).
+    deletes_runs_with_job: bool = False
 
     @contextmanager
     def worker_connection(self, engine: Engine) -> Iterator[Connection]:
@@ -157,6 +209,20 @@ class Backend:
                 if not conn.invalidated:
                     driver.isolation_level = previous  # type: ignore[union-attr]
 
+    @contextmanager
+    def run_ledger_connection(self, engine: Engine) -> Iterator[Connection]:
+        """An autocommit connection for run records: each record commits on its own."""
+        with engine.connect() as conn:
+            conn.execution_options(isolation_level="AUTOCOMMIT")
+            for statement in self.run_ledger_setup:
+                conn.exec_driver_sql(statement)
+            try:
+                yield conn
+            finally:
+                if not conn.invalidated:
+                    for statement in self.run_ledger_reset:
+                        conn.exec_driver_sql(statement)
+
     def begin_claim(self, conn: Connection) -> None:
         """Open the claim's transaction (``conn.begin()`` must already have been called)."""
         if self.claim_takes_write_lock:
@@ -169,10 +235,13 @@ def backend_for(engine: Engine) -> Backend:
     if name == "postgresql":
         return Backend(
             name,
-            isolation_level="READ COMMITTED",
+            isolation_level=None,
             claim_takes_write_lock=False,
             separate_run_connection=True,
-            run_record_setup=("SET LOCAL synchronous_commit TO OFF",),
+            # A run record lost in a server crash only forgets an unclean end: no fsync wait.
+            run_ledger_setup=("SET synchronous_commit TO OFF",),
+            run_ledger_reset=("RESET synchronous_commit",),
+            deletes_runs_with_job=True,
         )
     if name in ("mysql", "mariadb"):
         return Backend(
@@ -247,3 +316,14 @@ def connection_loss_hint(exc: BaseException) -> str:
         "the database connection was lost while the job ran (server restart, network, or the "
         "connection was terminated); the job's transaction rolled back and it will run again"
     )
+
+
+def transient_hint(exc: BaseException) -> str | None:
+    """A hint for transient errors that a setting can cure."""
+    if isinstance(exc, sa_exc.TimeoutError):
+        return (
+            "no connection was free in the engine's pool: each worker thread holds two "
+            "(its claim and its run records; one on SQLite), so give the engine "
+            "pool_size + max_overflow >= 2 * worker_threads plus what the app uses"
+        )
+    return None

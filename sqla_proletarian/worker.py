@@ -23,11 +23,12 @@ from sqla_proletarian.execution import (
     Outcome,
     RetryStrategyFn,
     RunSettings,
+    WorkerConnections,
 )
 from sqla_proletarian.logs import log_event
 from sqla_proletarian.models import DEFAULT_QUEUE
 from sqla_proletarian.serialization import DEFAULT_SERIALIZER, Serializer
-from sqla_proletarian.statements import is_transient
+from sqla_proletarian.statements import is_transient, transient_hint
 
 DEFAULT_WORKER_THREADS = 1
 #: Seconds to wait before polling again once the queue is drained.
@@ -241,35 +242,49 @@ class QueueWorker:
 
     def _work(self) -> None:
         backoff = 0.0
-        while not self._stopping.is_set():
-            try:
-                ran = self._runner.process_one()
-                backoff = 0.0
-            except Exception as exc:
-                if is_transient(exc):
-                    backoff = min(MAX_TRANSIENT_BACKOFF, max(0.05, backoff * 2))
+        connections: WorkerConnections | None = None
+        try:
+            while not self._stopping.is_set():
+                try:
+                    if connections is None:
+                        connections = self._runner.open_connections()
+                    ran = self._runner.process_one(connections)
+                    backoff = 0.0
+                except Exception as exc:
+                    if connections is not None:
+                        connections.close()
+                        connections = None
+                    if is_transient(exc):
+                        backoff = min(MAX_TRANSIENT_BACKOFF, max(0.05, backoff * 2))
+                        log_event(
+                            logging.WARNING,
+                            "transient-polling-error",
+                            worker_id=self.worker_id,
+                            error=repr(exc),
+                            retry_in=round(backoff, 3),
+                            hint=transient_hint(exc),
+                        )
+                        self._stopping.wait(backoff * random.uniform(0.5, 1.0))
+                        continue
+                    if self._polling_error(exc):
+                        self._stop_from_thread()
+                        return
+                    self._idle()
+                    continue
+                except BaseException as exc:
                     log_event(
-                        logging.WARNING,
-                        "transient-polling-error",
+                        logging.ERROR,
+                        "job-worker-error",
                         worker_id=self.worker_id,
                         error=repr(exc),
-                        retry_in=round(backoff, 3),
                     )
-                    self._stopping.wait(backoff * random.uniform(0.5, 1.0))
-                    continue
-                if self._polling_error(exc):
                     self._stop_from_thread()
                     return
-                self._idle()
-                continue
-            except BaseException as exc:
-                log_event(
-                    logging.ERROR, "job-worker-error", worker_id=self.worker_id, error=repr(exc)
-                )
-                self._stop_from_thread()
-                return
-            if not ran:
-                self._idle()
+                if not ran:
+                    self._idle()
+        finally:
+            if connections is not None:
+                connections.close()
 
     def _idle(self) -> None:
         """Pause after the queue is drained; wake() or stop() ends the pause early."""

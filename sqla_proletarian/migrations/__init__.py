@@ -1,0 +1,148 @@
+"""The library's schema as Alembic migrations, and helpers for a single-head history.
+
+Two ways in. Add :data:`VERSION_LOCATION` (or ``sqla_proletarian.migrations:versions``) to your
+``version_locations`` and run ``alembic upgrade heads``: the revisions sit on their own branch,
+labelled :data:`BRANCH_LABEL`. Or keep one head: call :func:`create_tables` from the
+``upgrade()`` of a revision of your own and :func:`drop_tables` from its ``downgrade()``.
+
+The DDL below is frozen: it is the schema of revision ``sqlap_0001`` and never follows later
+edits of the models. A release that changes the schema adds a revision and a helper for it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+from typing import Any, cast
+
+import sqlalchemy as sa
+from alembic.operations import Operations
+from sqlalchemy.dialects import mysql
+
+from alembic import op as alembic_op
+from sqla_proletarian.models import include_object
+
+__all__ = [
+    "BRANCH_LABEL",
+    "INITIAL_REVISION",
+    "VERSION_LOCATION",
+    "create_tables",
+    "drop_tables",
+    "include_object",
+]
+
+#: Absolute path of the folder holding the library's revisions.
+VERSION_LOCATION = str(Path(__file__).resolve().parent / "versions")
+
+#: Branch label of the library's revisions: ``alembic upgrade sqla_proletarian@head``.
+BRANCH_LABEL = "sqla_proletarian"
+
+#: The revision whose schema :func:`create_tables` builds.
+INITIAL_REVISION = "sqlap_0001"
+
+# Table names are spelled out (not imported from the models) so the revision stays as written.
+_JOB = "proletarian_job"
+_ARCHIVED_JOB = "proletarian_archived_job"
+_JOB_RUN = "proletarian_job_run"
+_TABLES = (_JOB, _ARCHIVED_JOB, _JOB_RUN)
+
+_NAME_LENGTH = 255
+_MYSQL_TABLE_OPTIONS: dict[str, Any] = {"mysql_engine": "InnoDB", "mysql_charset": "utf8mb4"}
+
+
+def _sequence() -> sa.types.TypeEngine[int]:
+    """The enqueue-order tie-breaker: BIGINT, or INTEGER on SQLite (an alias of the rowid)."""
+    return sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
+
+def _name() -> sa.types.TypeEngine[str]:
+    """A queue name or job type, compared byte for byte (binary collation on MySQL)."""
+    return sa.String(_NAME_LENGTH).with_variant(
+        mysql.VARCHAR(_NAME_LENGTH, charset="utf8mb4", collation="utf8mb4_bin"),
+        "mysql",
+        "mariadb",
+    )
+
+
+def _payload() -> sa.types.TypeEngine[str]:
+    """Serialized payload: TEXT, or LONGTEXT on MySQL (whose TEXT stops at 64 KiB)."""
+    return sa.Text().with_variant(mysql.LONGTEXT(), "mysql", "mariadb")
+
+
+def _timestamp() -> sa.types.TypeEngine[Any]:
+    """An instant with microseconds: TIMESTAMPTZ, DATETIME(6) on MySQL, DATETIME on SQLite."""
+    return (
+        sa.DateTime(timezone=True)
+        .with_variant(mysql.DATETIME(fsp=6), "mysql", "mariadb")
+        .with_variant(sa.DateTime(), "sqlite")
+    )
+
+
+def _operations(op: Operations | ModuleType | None) -> Operations:
+    # ``alembic.op`` is a module that forwards each call to the running migration's Operations.
+    return cast(Operations, alembic_op if op is None else op)
+
+
+def create_tables(op: Operations | ModuleType | None = None) -> None:
+    """Create the job, archived-job and job-run tables with their indexes.
+
+    Call it from ``upgrade()`` of your own revision; ``op`` defaults to ``alembic.op``.
+    Constraint and index names are final (``op.f``), so your naming convention leaves them be.
+    """
+    ops = _operations(op)
+    ops.create_table(
+        _JOB,
+        sa.Column("seq", _sequence(), autoincrement=True, nullable=False),
+        sa.Column("job_id", sa.Uuid(), nullable=False),
+        sa.Column("queue", _name(), nullable=False),
+        sa.Column("job_type", _name(), nullable=False),
+        sa.Column("payload", _payload(), nullable=False),
+        sa.Column("attempts", sa.Integer(), nullable=False),
+        sa.Column("enqueued_at", _timestamp(), nullable=False),
+        sa.Column("process_at", _timestamp(), nullable=False),
+        sa.PrimaryKeyConstraint("seq", name=ops.f("pk_proletarian_job")),
+        sa.UniqueConstraint("job_id", name=ops.f("uq_proletarian_job_job_id")),
+        **_MYSQL_TABLE_OPTIONS,
+    )
+    # The poll filters on queue and process_at and orders by process_at, seq.
+    ops.create_index(ops.f("ix_proletarian_job_poll"), _JOB, ["queue", "process_at", "seq"])
+
+    ops.create_table(
+        _ARCHIVED_JOB,
+        sa.Column("job_id", sa.Uuid(), nullable=False),
+        sa.Column("queue", _name(), nullable=False),
+        sa.Column("job_type", _name(), nullable=False),
+        sa.Column("payload", _payload(), nullable=False),
+        sa.Column("attempts", sa.Integer(), nullable=False),
+        sa.Column("enqueued_at", _timestamp(), nullable=False),
+        sa.Column("process_at", _timestamp(), nullable=False),
+        sa.Column("status", sa.String(16), nullable=False),
+        sa.Column("finished_at", _timestamp(), nullable=False),
+        sa.Column("error", sa.Text(), nullable=True),
+        sa.PrimaryKeyConstraint("job_id", name=ops.f("pk_proletarian_archived_job")),
+        **_MYSQL_TABLE_OPTIONS,
+    )
+    ops.create_index(
+        ops.f("ix_proletarian_archived_job_finished_at"), _ARCHIVED_JOB, ["finished_at"]
+    )
+
+    ops.create_table(
+        _JOB_RUN,
+        sa.Column("run_id", sa.Uuid(), nullable=False),
+        sa.Column("job_id", sa.Uuid(), nullable=False),
+        sa.Column("worker_id", sa.String(255), nullable=False),
+        sa.Column("started_at", _timestamp(), nullable=False),
+        sa.PrimaryKeyConstraint("run_id", name=ops.f("pk_proletarian_job_run")),
+        **_MYSQL_TABLE_OPTIONS,
+    )
+    ops.create_index(ops.f("ix_proletarian_job_run_job_id"), _JOB_RUN, ["job_id"])
+
+
+def drop_tables(op: Operations | ModuleType | None = None) -> None:
+    """Drop the library's tables (and their indexes with them), undoing :func:`create_tables`.
+
+    Call it from ``downgrade()`` of your own revision; ``op`` defaults to ``alembic.op``.
+    """
+    ops = _operations(op)
+    for table in reversed(_TABLES):
+        ops.drop_table(table)
