@@ -1,0 +1,77 @@
+# sqla-proletarian developer tasks. Tests need private PostgreSQL/MariaDB
+# servers: scripts/testdb.sh starts them (installing them first when root).
+SHELL := /bin/bash
+.DEFAULT_GOAL := test
+
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed.stamp
+TESTDB := bash scripts/testdb.sh
+export SP_TESTDB_DIR ?= /tmp/sqla-proletarian-testdb
+EXAMPLES_DB_URL := postgresql+psycopg://postgres@127.0.0.1:55432/proletarian
+PSQL := psql -X -q -v ON_ERROR_STOP=1 -h 127.0.0.1 -p 55432 -U postgres -d postgres
+
+# Lint only the folders that exist (some are optional).
+LINT_PATHS := $(wildcard sqla_proletarian tests examples benchmarks alembic)
+
+# $(call with_testdb,COMMAND): start the test servers, load their URLs into
+# the environment, run COMMAND, then stop the servers whatever happened (trap);
+# the recipe exits with COMMAND's status. Servers that were already running
+# before (someone else's session) are left running.
+define with_testdb
+@set -euo pipefail; \
+was_up=0; $(TESTDB) status >/dev/null 2>&1 && was_up=1; \
+trap '[ $$was_up = 1 ] || $(TESTDB) stop' EXIT; \
+trap 'exit 130' INT TERM; \
+$(TESTDB) start; \
+source "$$SP_TESTDB_DIR/env"; \
+$(1)
+endef
+
+.PHONY: venv lint test faults soak quickstart \
+	examples.db.install examples.db.uninstall examples.db.recreate clean
+
+venv: $(STAMP)
+
+# Redone when pyproject.toml changes.
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e '.[postgresql,mysql,dev]'
+	touch $@
+
+lint: venv
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/mypy --strict sqla_proletarian
+
+test: venv lint
+	$(call with_testdb,$(VENV)/bin/pytest tests -q)
+
+faults: venv
+	$(call with_testdb,SP_FAULT_REPORT=1 $(VENV)/bin/pytest tests/faults -q -s)
+
+soak: venv
+	$(call with_testdb,SP_FAULT_REPORT=1 $(VENV)/bin/pytest tests/faults -q -s --soak)
+
+quickstart: venv
+	$(VENV)/bin/python examples/quickstart.py
+
+# A "proletarian" database on the PostgreSQL test server for the examples.
+examples.db.install: venv
+	$(TESTDB) start
+	@if [ -z "$$($(PSQL) -Atc "SELECT 1 FROM pg_database WHERE datname = 'proletarian'")" ]; then \
+		echo "creating database proletarian"; \
+		$(PSQL) -c 'CREATE DATABASE proletarian'; \
+	fi
+	$(VENV)/bin/alembic -c alembic.ini -x url=$(EXAMPLES_DB_URL) upgrade heads
+
+examples.db.uninstall:
+	$(TESTDB) start
+	$(PSQL) -c 'DROP DATABASE IF EXISTS proletarian WITH (FORCE)'
+
+examples.db.recreate: examples.db.uninstall
+	$(MAKE) examples.db.install
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache .tox .hypothesis
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +
