@@ -318,6 +318,19 @@ def connection_loss_hint(exc: BaseException) -> str:
     )
 
 
+def polling_error_hint(exc: BaseException) -> str | None:
+    """A hint for polling errors a user can fix, such as tables that were never created."""
+    message = str(getattr(exc, "orig", exc)).lower()
+    if any(t in message for t in ("does not exist", "doesn't exist", "no such table")):
+        return (
+            "the job tables are missing or not visible: install them with the migrations "
+            "(README, 'Migrations') or sqla_proletarian.metadata.create_all(engine)"
+        )
+    if "permission denied" in message or "command denied" in message:
+        return "the worker's database role lacks a grant: see docs/privileges.md"
+    return None
+
+
 def transient_hint(exc: BaseException) -> str | None:
     """A hint for transient errors that a setting can cure."""
     if isinstance(exc, sa_exc.TimeoutError):

@@ -14,6 +14,7 @@ from types import FrameType
 from typing import Any, Literal
 
 from sqlalchemy import Engine
+from sqlalchemy.pool import SingletonThreadPool
 
 from sqla_proletarian.enqueue import Clock, check_name, utc_now
 from sqla_proletarian.errors import ConfigurationError
@@ -28,7 +29,7 @@ from sqla_proletarian.execution import (
 from sqla_proletarian.logs import log_event
 from sqla_proletarian.models import DEFAULT_QUEUE
 from sqla_proletarian.serialization import DEFAULT_SERIALIZER, Serializer
-from sqla_proletarian.statements import is_transient, transient_hint
+from sqla_proletarian.statements import is_transient, polling_error_hint, transient_hint
 
 DEFAULT_WORKER_THREADS = 1
 #: Seconds to wait before polling again once the queue is drained.
@@ -129,6 +130,7 @@ class QueueWorker:
     """Worker threads that work off one queue. Use start()/stop() or ``with worker:``."""
 
     def __init__(self, engine: Engine, handler: Callable[..., Any], options: WorkerOptions) -> None:
+        _check_engine(engine)
         self.options = options
         self.worker_id: str = options.worker_id or ""
         self._runner = JobRunner(engine, options.run_settings(handler), self._count)
@@ -294,7 +296,13 @@ class QueueWorker:
 
     def _polling_error(self, exc: Exception) -> bool:
         """Hand a non-transient polling error to on_polling_error; True means stop."""
-        log_event(logging.ERROR, "polling-error", worker_id=self.worker_id, error=repr(exc))
+        log_event(
+            logging.ERROR,
+            "polling-error",
+            worker_id=self.worker_id,
+            error=repr(exc),
+            hint=polling_error_hint(exc),
+        )
         try:
             return bool(self.options.on_polling_error(exc))
         except Exception as error:
@@ -345,6 +353,21 @@ def _exit_as_signal(signum: int) -> None:
     sys.stderr.flush()
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
+
+
+def _check_engine(engine: Engine) -> None:
+    """Refuse engines whose worker threads could not see the application's jobs."""
+    if not isinstance(engine, Engine):
+        raise ConfigurationError(
+            f"the worker needs a sqlalchemy Engine, not {type(engine).__name__}: the worker "
+            "opens its own connections"
+        )
+    if engine.dialect.name == "sqlite" and isinstance(engine.pool, SingletonThreadPool):
+        raise ConfigurationError(
+            "this SQLite engine gives each thread its own in-memory database, so worker "
+            "threads would never see the jobs: use a file database "
+            "(create_engine('sqlite:///jobs.db')), or process_next_job() in one thread"
+        )
 
 
 def _require_main_thread() -> None:
