@@ -16,10 +16,10 @@ from types import ModuleType
 from typing import Any, cast
 
 import sqlalchemy as sa
+from alembic import op as alembic_op
 from alembic.operations import Operations
 from sqlalchemy.dialects import mysql
 
-from alembic import op as alembic_op
 from sqla_proletarian.models import include_object
 
 __all__ = [

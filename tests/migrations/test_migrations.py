@@ -1,0 +1,388 @@
+"""The Alembic migrations build exactly the models' schema, on every backend.
+
+Three ways in are checked: the library's own environment (``alembic.ini`` at the top of the
+repository), a user's project that adds the library's version location and runs
+``upgrade heads``, and a user's single-head revision that calls ``create_tables()``.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+from alembic import command
+from alembic.autogenerate import compare_metadata
+from alembic.config import Config
+from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from alembic.util import coerce_resource_to_filename
+from sqlalchemy.schema import SchemaItem
+
+import sqla_proletarian as sp
+import sqla_proletarian.migrations as spm
+from sqla_proletarian.models import LIBRARY_TABLES
+
+if TYPE_CHECKING:
+    from conftest import Database
+
+REPO = Path(__file__).resolve().parents[2]
+ALEMBIC_INI = REPO / "alembic.ini"
+
+
+def library_config() -> Config:
+    """The repository's own Alembic environment, run in-process without touching logging."""
+    config = Config(str(ALEMBIC_INI))
+    config.attributes["configure_logger"] = False
+    return config
+
+
+def run(config: Config, engine: sa.Engine, action: Any, target: str) -> None:
+    """Run an Alembic command on ``engine`` through the shared-connection recipe."""
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        action(config, target)
+
+
+def only_library_tables(
+    obj: SchemaItem, name: str | None, type_: str, reflected: bool, compare_to: Any
+) -> bool:
+    return not sp.include_object(obj, name, type_, reflected, compare_to)
+
+
+def differences(engine: sa.Engine, metadata: sa.MetaData, include_object: Any = None) -> list[Any]:
+    """What autogenerate would change to make the database match ``metadata``."""
+    options: dict[str, Any] = {"compare_type": True, "compare_server_default": True}
+    if include_object is not None:
+        options["include_object"] = include_object
+    with engine.connect() as connection:
+        context = MigrationContext.configure(connection, opts=options)
+        return list(compare_metadata(context, metadata))
+
+
+def library_schema(engine: sa.Engine) -> dict[str, dict[str, Any]]:
+    """Everything the database reports about the library's tables, in comparable form.
+
+    Autogenerate overlooks collations, DATETIME precision and table options on MySQL;
+    reflection does not.
+    """
+    inspector = sa.inspect(engine)
+    schema: dict[str, dict[str, Any]] = {}
+    for table in sorted(LIBRARY_TABLES):
+        if not inspector.has_table(table):
+            continue
+        columns = [
+            {**column, "type": str(column["type"].compile(dialect=engine.dialect))}
+            for column in inspector.get_columns(table)
+        ]
+        schema[table] = {
+            "columns": columns,
+            "primary_key": inspector.get_pk_constraint(table),
+            "unique": sorted(inspector.get_unique_constraints(table), key=lambda c: str(c["name"])),
+            "indexes": sorted(inspector.get_indexes(table), key=lambda i: str(i["name"])),
+            "options": inspector.get_table_options(table),
+        }
+    return schema
+
+
+def versions_in_database(engine: sa.Engine) -> set[str]:
+    with engine.connect() as connection:
+        return set(connection.scalars(sa.text("SELECT version_num FROM alembic_version")))
+
+
+# --- the library's own environment ------------------------------------------------------------
+
+
+def test_the_library_revisions_are_one_branch_labelled_sqla_proletarian() -> None:
+    """A linear history from sqlap_0001, labelled ``sqla_proletarian``, in VERSION_LOCATION."""
+    script = ScriptDirectory.from_config(library_config())
+    assert len(script.get_heads()) == 1
+    assert script.get_bases() == [spm.INITIAL_REVISION]
+    initial = script.get_revision(spm.INITIAL_REVISION)
+    assert initial is not None
+    assert initial.down_revision is None
+    assert initial.branch_labels == {spm.BRANCH_LABEL}
+    assert initial.dependencies is None
+    for revision in script.walk_revisions():
+        assert Path(str(revision.path)).parent == Path(spm.VERSION_LOCATION)
+    resource = coerce_resource_to_filename("sqla_proletarian.migrations:versions")
+    assert resource.resolve() == Path(spm.VERSION_LOCATION)
+    assert spm.include_object is sp.include_object
+
+
+def test_the_library_revisions_do_not_import_the_live_models() -> None:
+    """Revisions import only alembic, sqlalchemy and the frozen DDL helpers."""
+    allowed = {"__future__", "collections.abc", "typing", "sqla_proletarian.migrations"}
+    files = sorted(Path(spm.VERSION_LOCATION).glob("*.py"))
+    assert files
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                modules = [node.module or ""]
+            else:
+                continue
+            for module in modules:
+                assert module in allowed or module.split(".")[0] in {"alembic", "sqlalchemy"}, (
+                    f"{path.name} imports {module}"
+                )
+
+
+def test_upgrade_heads_matches_metadata_and_survives_downgrade_and_upgrade_again(
+    empty_database: Database,
+) -> None:
+    """Upgrade an empty database: no autogenerate difference; downgrade base removes it all."""
+    engine = empty_database.engine()
+    config = library_config()
+
+    run(config, engine, command.upgrade, "heads")
+    assert versions_in_database(engine) == {spm.INITIAL_REVISION}
+    assert set(library_schema(engine)) == LIBRARY_TABLES
+    assert differences(engine, sp.metadata) == []
+
+    run(config, engine, command.downgrade, "base")
+    assert library_schema(engine) == {}
+    assert versions_in_database(engine) == set()
+
+    run(config, engine, command.upgrade, "heads")
+    assert differences(engine, sp.metadata) == []
+
+
+def test_migrated_tables_are_identical_to_what_create_all_makes(empty_database: Database) -> None:
+    """Same columns, types, collations, keys, indexes and table options as the models."""
+    engine = empty_database.engine()
+    config = library_config()
+    run(config, engine, command.upgrade, "heads")
+    migrated = library_schema(engine)
+    run(config, engine, command.downgrade, "base")
+    sp.metadata.create_all(engine)
+    assert migrated == library_schema(engine)
+
+
+EXPECTED_JOB_COLUMN_TYPES = {
+    "sqlite": {
+        "seq": "INTEGER",
+        "queue": "VARCHAR(255)",
+        "payload": "TEXT",
+        "process_at": "DATETIME",
+    },
+    "postgresql": {
+        "seq": "BIGINT",
+        "job_id": "UUID",
+        "queue": "VARCHAR(255)",
+        "payload": "TEXT",
+        "process_at": "TIMESTAMP WITH TIME ZONE",
+    },
+    "mariadb": {
+        "seq": "BIGINT",
+        "queue": "VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin",
+        "job_type": "VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin",
+        "payload": "LONGTEXT",
+        "process_at": "DATETIME(6)",
+    },
+}
+
+
+def test_migrated_job_table_has_the_documented_column_types(empty_database: Database) -> None:
+    """BIGINT/INTEGER seq, binary-collated names and LONGTEXT on MySQL, microsecond instants."""
+    engine = empty_database.engine()
+    run(library_config(), engine, command.upgrade, "heads")
+    job = library_schema(engine)["proletarian_job"]
+    types = {
+        column["name"]: re.sub(r"^(BIGINT|INTEGER)\(\d+\)", r"\1", column["type"])
+        for column in job["columns"]
+    }
+    expected = EXPECTED_JOB_COLUMN_TYPES[empty_database.backend]
+    assert {name: types[name] for name in expected} == expected
+    assert job["primary_key"]["constrained_columns"] == ["seq"]
+    if empty_database.backend != "sqlite":
+        seq = next(column for column in job["columns"] if column["name"] == "seq")
+        assert seq["autoincrement"] is True
+    if empty_database.backend == "mariadb":
+        assert job["options"]["mysql_engine"] == "InnoDB"
+        assert job["options"]["mysql_default charset"] == "utf8mb4"
+
+
+def test_the_alembic_command_line_installs_and_removes_the_tables(tmp_path: Path) -> None:
+    """``alembic -c alembic.ini upgrade heads`` with SP_DATABASE_URL; downgrade with -x url.
+
+    The URL handling is the same for every dialect, so one (SQLite) keeps the subprocesses few.
+    """
+    url = f"sqlite:///{tmp_path / 'installed.db'}"
+    alembic = [sys.executable, "-m", "alembic", "-c", str(ALEMBIC_INI)]
+    environment = {**os.environ, "SP_DATABASE_URL": url}
+    subprocess.run(
+        [*alembic, "upgrade", "heads"], env=environment, cwd=tmp_path, check=True, timeout=60
+    )
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        assert set(library_schema(engine)) == LIBRARY_TABLES
+        subprocess.run(
+            [*alembic, "-x", f"url={url}", "downgrade", "base"],
+            cwd=tmp_path,
+            check=True,
+            timeout=60,
+        )
+        assert library_schema(engine) == {}
+    finally:
+        engine.dispose()
+
+
+# --- a user's project ------------------------------------------------------------------------
+
+# A user's naming convention that renames every constraint and index it may: the library's
+# names must come out unchanged all the same.
+USER_NAMING_CONVENTION = {
+    "ix": "user_ix_%(constraint_name)s",
+    "uq": "user_uq_%(constraint_name)s",
+    "pk": "user_pk_%(table_name)s",
+}
+
+USER_ENV = """
+from alembic import context
+
+config = context.config
+context.configure(
+    connection=config.attributes["connection"],
+    target_metadata=config.attributes["target_metadata"],
+    include_object=config.attributes["include_object"],
+)
+with context.begin_transaction():
+    context.run_migrations()
+"""
+
+USER_REVISION = '''
+"""The user's own table{extra_doc}."""
+
+import sqlalchemy as sa
+from alembic import op
+
+from sqla_proletarian.migrations import create_tables, drop_tables
+
+revision = "user_0001"
+down_revision = None
+branch_labels = None
+depends_on = None
+
+
+def upgrade():
+    op.create_table(
+        "account",
+        sa.Column("id", sa.Integer(), nullable=False),
+        sa.Column("email", sa.String(200), nullable=False),
+        sa.PrimaryKeyConstraint("id", name=op.f("user_pk_account")),
+    )
+    {upgrade_extra}
+
+
+def downgrade():
+    {downgrade_extra}
+    op.drop_table("account")
+'''
+
+
+def user_metadata() -> sa.MetaData:
+    """The user's own models: one table that has nothing to do with the library."""
+    metadata = sa.MetaData(naming_convention=USER_NAMING_CONVENTION)
+    sa.Table(
+        "account",
+        metadata,
+        sa.Column("id", sa.Integer(), primary_key=True),
+        sa.Column("email", sa.String(200), nullable=False),
+    )
+    return metadata
+
+
+def user_project(root: Path, *, calls_helpers: bool, library_location: bool) -> Config:
+    """Write a user's Alembic project under ``root`` and return its config.
+
+    ``library_location`` adds the library's versions to ``version_locations`` exactly as the
+    README says; ``calls_helpers`` makes the user's revision call create_tables/drop_tables.
+    """
+    (root / "migrations" / "versions").mkdir(parents=True)
+    (root / "migrations" / "env.py").write_text(USER_ENV)
+    revision = USER_REVISION.format(
+        extra_doc=" and the library's tables" if calls_helpers else "",
+        upgrade_extra="create_tables(op)" if calls_helpers else "pass",
+        downgrade_extra="drop_tables(op)" if calls_helpers else "pass",
+    )
+    (root / "migrations" / "versions" / "user_0001.py").write_text(revision)
+    locations = "%(here)s/migrations/versions"
+    if library_location:
+        locations += "\n    sqla_proletarian.migrations:versions"
+    ini = textwrap.dedent(
+        """\
+        [alembic]
+        script_location = %(here)s/migrations
+        path_separator = newline
+        version_locations =
+            {locations}
+        """
+    ).format(locations=locations)
+    (root / "alembic.ini").write_text(ini)
+    config = Config(str(root / "alembic.ini"))
+    config.attributes["target_metadata"] = user_metadata()
+    config.attributes["include_object"] = sp.include_object
+    return config
+
+
+def test_a_users_project_with_the_library_version_location_upgrades_heads(
+    empty_database: Database, tmp_path: Path
+) -> None:
+    """Both histories install side by side; the library's branch comes off on its own."""
+    engine = empty_database.engine()
+    config = user_project(tmp_path, calls_helpers=False, library_location=True)
+    heads = set(ScriptDirectory.from_config(config).get_heads())
+    assert heads == {"user_0001", spm.INITIAL_REVISION}
+
+    run(config, engine, command.upgrade, "heads")
+    assert versions_in_database(engine) == heads
+    assert differences(engine, sp.metadata, only_library_tables) == []
+    assert differences(engine, user_metadata(), sp.include_object) == []
+
+    run(config, engine, command.downgrade, f"{spm.BRANCH_LABEL}@base")
+    assert versions_in_database(engine) == {"user_0001"}
+    assert library_schema(engine) == {}
+    assert sa.inspect(engine).has_table("account")
+
+
+def test_a_users_single_head_revision_calling_create_tables_builds_the_same_schema(
+    empty_database: Database, tmp_path: Path
+) -> None:
+    """create_tables()/drop_tables() in the user's revision equal the library's revision."""
+    engine = empty_database.engine()
+    config = user_project(tmp_path, calls_helpers=True, library_location=False)
+    assert ScriptDirectory.from_config(config).get_heads() == ["user_0001"]
+
+    run(config, engine, command.upgrade, "head")
+    from_helper = library_schema(engine)
+    assert set(from_helper) == LIBRARY_TABLES
+    assert differences(engine, sp.metadata, only_library_tables) == []
+
+    run(config, engine, command.downgrade, "base")
+    assert library_schema(engine) == {}
+    assert not sa.inspect(engine).has_table("account")
+
+    run(library_config(), engine, command.upgrade, "heads")
+    assert from_helper == library_schema(engine)
+
+
+def test_include_object_keeps_a_users_autogenerate_off_the_library_tables(
+    empty_database: Database,
+) -> None:
+    """Without the filter autogenerate would drop the library's tables; with it, no change."""
+    engine = empty_database.engine()
+    run(library_config(), engine, command.upgrade, "heads")
+    user_metadata().create_all(engine)
+
+    unfiltered = differences(engine, user_metadata())
+    assert {diff[1].name for diff in unfiltered if diff[0] == "remove_table"} == LIBRARY_TABLES
+
+    assert differences(engine, user_metadata(), sp.include_object) == []
