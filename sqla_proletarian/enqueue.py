@@ -33,7 +33,7 @@ def uuid4() -> uuid.UUID:
 
 
 def uuid7() -> uuid.UUID:
-    """A time-ordered UUID (RFC 9562 version 7): ids that sort in creation order."""
+    """A time-ordered UUID (RFC 9562 version 7): ids sort by creation time, to the millisecond."""
     millis = time.time_ns() // 1_000_000
     value = (millis & 0xFFFF_FFFF_FFFF) << 80
     value |= int.from_bytes(os.urandom(10), "big") & ((1 << 80) - 1)

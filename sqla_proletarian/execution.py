@@ -209,7 +209,11 @@ class JobRunner:
     ) -> tuple[Outcome, tuple[JobContext, Exception] | None]:
         """Run the handler and write the outcome into the claim's transaction."""
         fields = self._fields(job)
-        session = Session(bind=conn, join_transaction_mode="create_savepoint")
+        # close_resets_only=False: once the outcome is recorded the session is closed for
+        # good, so late writes through it fail instead of vanishing.
+        session = Session(
+            bind=conn, join_transaction_mode="create_savepoint", close_resets_only=False
+        )
         try:
             try:
                 payload = self.settings.serializer.loads(job["payload"])
@@ -228,10 +232,12 @@ class JobRunner:
                 session=session,
             )
             limit = self.settings.max_unclean_ends
+            # The archive's attempts count every run, those that ended uncleanly included.
+            runs = job["attempts"] + run.unclean_ends + 1
             if limit is not None and run.unclean_ends >= limit:
                 crashed = JobCrashedError(job["job_id"], run.unclean_ends)
                 log_event(logging.ERROR, "job-crashed", **fields, unclean_ends=run.unclean_ends)
-                return self._fail(conn, job, context, crashed, job["attempts"] + run.unclean_ends)
+                return self._fail(conn, job, context, crashed, runs - 1)
             if run.unclean_ends:
                 log_event(
                     logging.WARNING, "job-interrupted", **fields, unclean_ends=run.unclean_ends
@@ -243,10 +249,14 @@ class JobRunner:
                 self._call_handler(context)
                 session.commit()
             except Exception as exc:
-                log_event(logging.WARNING, "handle-job-exception", **fields, error=repr(exc))
                 _discard(session)
-                return self._after_exception(conn, job, run, context, exc)
-            self._archive(conn, job, "success", job["attempts"] + 1, None)
+                if conn.invalidated:
+                    # The job's transaction is gone with its connection: nothing can be
+                    # recorded; the job runs again, and this run counts as an unclean end.
+                    raise
+                log_event(logging.WARNING, "handle-job-exception", **fields, error=repr(exc))
+                return self._after_exception(conn, job, context, exc, runs)
+            self._archive(conn, job, "success", runs, None)
             log_event(logging.DEBUG, "job-finished", **fields)
             return "succeeded", None
         finally:
@@ -266,7 +276,7 @@ class JobRunner:
             )
 
     def _after_exception(
-        self, conn: Connection, job: dict[str, Any], run: _Run, context: JobContext, exc: Exception
+        self, conn: Connection, job: dict[str, Any], context: JobContext, exc: Exception, runs: int
     ) -> tuple[Outcome, tuple[JobContext, Exception] | None]:
         attempt = job["attempts"] + 1
         strategy = self._strategy(context, exc)
@@ -274,7 +284,7 @@ class JobRunner:
         fields = self._fields(job)
         if strategy is None or left <= 0:
             log_event(logging.INFO, "not-retrying", **fields)
-            return self._fail(conn, job, context, exc, attempt)
+            return self._fail(conn, job, context, exc, runs)
         retry_at = strategy.retry_at(attempt, self.now())
         conn.execute(*sql.retry(job["job_id"], retry_at))
         log_event(

@@ -53,6 +53,10 @@ class Job(Base):
         _MYSQL_TABLE_ARGS,
     )
 
+    # ``seq`` (the table's key) orders equal ``process_at`` values by enqueue order; the ORM
+    # identifies jobs by ``job_id``, so ``session.get(Job, job_id)`` works.
+    __mapper_args__ = {"primary_key": ["job_id"]}  # noqa: RUF012
+
     seq: Mapped[int] = mapped_column(
         BigInteger().with_variant(Integer(), "sqlite"), primary_key=True, autoincrement=True
     )

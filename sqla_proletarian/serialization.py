@@ -36,8 +36,13 @@ class JsonSerializer:
     """
 
     def dumps(self, payload: Any) -> str:
-        encoded = self._encode(payload, "payload", set())
-        return json.dumps(encoded, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+        try:
+            encoded = self._encode(payload, "payload", set())
+            return json.dumps(encoded, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+        except RecursionError:
+            raise PayloadSerializationError(
+                "payload is nested too deeply to store as JSON; flatten it", None
+            ) from None
 
     def loads(self, text: str) -> Any:
         return json.loads(text, object_hook=self._decode_object)

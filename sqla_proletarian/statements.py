@@ -264,7 +264,9 @@ def backend_for(engine: Engine) -> Backend:
 
 def is_transient(exc: BaseException) -> bool:
     """Whether a database error is worth retrying after a pause (lost connection, deadlock...)."""
-    if isinstance(exc, sa_exc.TimeoutError):
+    if isinstance(exc, sa_exc.TimeoutError | sa_exc.PendingRollbackError):
+        # A pool with no free connection; a transaction left broken by an earlier error
+        # (the thread's connections are replaced before the next poll).
         return True
     if not isinstance(exc, sa_exc.DBAPIError):
         return False

@@ -1,0 +1,143 @@
+"""Worker options are checked where the worker is built, with messages that say what to give."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+import sqla_proletarian as sp
+from sqla_proletarian.worker import WorkerOptions
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Any:
+    """An engine that is never connected: building a worker must not touch the database."""
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'never-created.db'}")
+    yield engine
+    engine.dispose()
+
+
+def handler(job_type: str, payload: Any) -> None:
+    return None
+
+
+def test_the_defaults_are_the_documented_ones() -> None:
+    options = WorkerOptions.from_kwargs({})
+    assert options.queue == sp.DEFAULT_QUEUE
+    assert options.worker_threads == 1
+    assert options.polling_interval == 0.1
+    assert options.handler_mode == "default"
+    assert options.install_signal_handlers is False
+    assert options.await_termination_timeout == 10
+    assert options.max_unclean_ends == 3
+    assert options.retry_strategy is None
+    assert options.worker_id == "proletarian[default]"
+
+
+def test_the_default_worker_id_names_the_queue() -> None:
+    assert WorkerOptions.from_kwargs({"queue": "mail"}).worker_id == "proletarian[mail]"
+    assert WorkerOptions.from_kwargs({"worker_id": "w1"}).worker_id == "w1"
+
+
+def test_an_unknown_option_is_refused_with_the_list_of_options() -> None:
+    with pytest.raises(sp.ConfigurationError) as info:
+        WorkerOptions.from_kwargs({"threads": 2, "polling_interval": 1})
+    message = str(info.value)
+    assert "threads" in message
+    assert "worker_threads" in message
+    assert "polling_interval" in message
+
+
+def test_create_queue_worker_refuses_an_unknown_option(engine: sa.Engine) -> None:
+    with pytest.raises(sp.ConfigurationError, match="handler_fn_mode"):
+        sp.create_queue_worker(engine, handler, handler_fn_mode="advanced")
+
+
+def test_process_next_job_refuses_an_unknown_option(engine: sa.Engine) -> None:
+    with pytest.raises(sp.ConfigurationError, match="retries"):
+        sp.process_next_job(engine, handler, retries=3)
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2", None])
+def test_worker_threads_must_be_a_whole_number_of_at_least_one(value: Any) -> None:
+    with pytest.raises(sp.ConfigurationError, match="worker_threads"):
+        WorkerOptions(worker_threads=value)
+
+
+@pytest.mark.parametrize("name", ["polling_interval", "await_termination_timeout"])
+@pytest.mark.parametrize("value", [-0.1, float("nan"), "1", True, None])
+def test_durations_must_be_non_negative_numbers_of_seconds(name: str, value: Any) -> None:
+    with pytest.raises(sp.ConfigurationError, match=name):
+        WorkerOptions(**{name: value})
+
+
+def test_a_zero_polling_interval_is_allowed() -> None:
+    assert WorkerOptions(polling_interval=0).polling_interval == 0
+
+
+@pytest.mark.parametrize("mode", ["fancy", "Default", None])
+def test_handler_mode_is_default_or_advanced(mode: Any) -> None:
+    with pytest.raises(sp.ConfigurationError) as info:
+        WorkerOptions(handler_mode=mode)
+    assert "'default'" in str(info.value)
+    assert "'advanced'" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "name", ["retry_strategy", "failed_job_handler", "on_polling_error", "on_shutdown"]
+)
+def test_callback_options_must_be_functions(name: str) -> None:
+    with pytest.raises(sp.ConfigurationError, match=name):
+        WorkerOptions(**{name: "not a function"})
+
+
+@pytest.mark.parametrize("value", [0, -3, 2.0])
+def test_max_unclean_ends_is_a_positive_whole_number(value: Any) -> None:
+    with pytest.raises(sp.ConfigurationError, match="max_unclean_ends"):
+        WorkerOptions(max_unclean_ends=value)
+
+
+def test_max_unclean_ends_none_turns_crash_accounting_off() -> None:
+    assert WorkerOptions(max_unclean_ends=None).max_unclean_ends is None
+
+
+@pytest.mark.parametrize("queue", ["", "q\x00", "x" * 256])
+def test_a_bad_queue_name_is_refused(queue: str) -> None:
+    with pytest.raises(sp.ProletarianError, match="queue"):
+        WorkerOptions(queue=queue)
+
+
+def test_the_handler_must_be_callable(engine: sa.Engine) -> None:
+    with pytest.raises(sp.ConfigurationError, match="handler"):
+        sp.create_queue_worker(engine, "handler")  # type: ignore[arg-type]
+
+
+def test_a_new_worker_reports_zero_outcomes_in_words(engine: sa.Engine) -> None:
+    worker = sp.create_queue_worker(engine, handler)
+    assert worker.summary() == {"succeeded": 0, "retried": 0, "failed": 0}
+    assert worker.summary_text() == "0 succeeded, 0 retried, 0 failed"
+    assert not worker.running
+
+
+def test_signal_handlers_asked_for_outside_the_main_thread_are_refused(
+    engine: sa.Engine, tmp_path: Path
+) -> None:
+    errors: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            sp.create_queue_worker(engine, handler, install_signal_handlers=True)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    thread.join()
+    assert not (tmp_path / "never-created.db").exists()
+    assert len(errors) == 1
+    assert isinstance(errors[0], sp.ConfigurationError)
+    assert "main thread" in str(errors[0])
