@@ -25,7 +25,7 @@ from sqla_proletarian.errors import (
     PayloadDeserializationError,
     ProletarianError,
 )
-from sqla_proletarian.handlers import JobContext
+from sqla_proletarian.handlers import JobContext, JobSession
 from sqla_proletarian.logs import log_event
 from sqla_proletarian.retry import RetryStrategy, as_retry_strategy
 from sqla_proletarian.serialization import Serializer
@@ -209,11 +209,7 @@ class JobRunner:
     ) -> tuple[Outcome, tuple[JobContext, Exception] | None]:
         """Run the handler and write the outcome into the claim's transaction."""
         fields = self._fields(job)
-        # close_resets_only=False: once the outcome is recorded the session is closed for
-        # good, so late writes through it fail instead of vanishing.
-        session = Session(
-            bind=conn, join_transaction_mode="create_savepoint", close_resets_only=False
-        )
+        session = JobSession(conn)
         try:
             try:
                 payload = self.settings.serializer.loads(job["payload"])
@@ -247,7 +243,7 @@ class JobRunner:
                 if decode_error is not None:
                     raise decode_error
                 self._call_handler(context)
-                session.commit()
+                session.finish()
             except Exception as exc:
                 _discard(session)
                 if conn.invalidated:

@@ -8,9 +8,32 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
 
+from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
 from sqla_proletarian.errors import ConfigurationError, UnknownJobTypeError
+
+
+class JobSession(Session):
+    """The handler's Session, inside a savepoint of the job's own transaction.
+
+    ``commit()`` only flushes: the handler's writes commit together with the job's outcome,
+    and roll back if the handler raises, even after a ``commit()``. Once the outcome is
+    recorded the session is closed for good, so late use fails instead of writing nothing.
+    """
+
+    def __init__(self, bind: Connection) -> None:
+        super().__init__(
+            bind=bind, join_transaction_mode="create_savepoint", close_resets_only=False
+        )
+
+    def commit(self) -> None:
+        """Flush the handler's writes; they commit with the job's outcome."""
+        self.flush()
+
+    def finish(self) -> None:
+        """Release the handler's savepoint into the job's transaction (the worker calls it)."""
+        super().commit()
 
 
 @dataclass(frozen=True)

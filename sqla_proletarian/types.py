@@ -47,13 +47,34 @@ class UTCDateTime(TypeDecorator[datetime]):
         return value.astimezone(UTC)
 
 
+class ExactName(TypeDecorator[str]):
+    """A queue name or job type, compared exactly: case, accents and trailing spaces count.
+
+    On MySQL and MariaDB a binary NO PAD collation (``utf8mb4_bin`` pads, so 'a' would equal
+    'a '): ``utf8mb4_nopad_bin`` on MariaDB, ``utf8mb4_0900_bin`` on MySQL 8.
+    """
+
+    impl = String(MAX_NAME_LENGTH)
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
+        if dialect.name in ("mysql", "mariadb"):
+            return dialect.type_descriptor(
+                mysql.VARCHAR(
+                    MAX_NAME_LENGTH, charset="utf8mb4", collation=exact_collation(dialect)
+                )
+            )
+        return dialect.type_descriptor(String(MAX_NAME_LENGTH))
+
+
+def exact_collation(dialect: Dialect) -> str:
+    """The binary, NO PAD utf8mb4 collation of a MySQL-family server."""
+    return "utf8mb4_nopad_bin" if getattr(dialect, "is_mariadb", False) else "utf8mb4_0900_bin"
+
+
 def name_type() -> TypeEngine[str]:
-    """A queue name or job type: compared byte for byte (binary collation on MySQL)."""
-    return String(MAX_NAME_LENGTH).with_variant(
-        mysql.VARCHAR(MAX_NAME_LENGTH, charset="utf8mb4", collation="utf8mb4_bin"),
-        "mysql",
-        "mariadb",
-    )
+    """A queue name or job type column type."""
+    return ExactName()
 
 
 def payload_type() -> TypeEngine[str]:

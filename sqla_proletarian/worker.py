@@ -8,6 +8,7 @@ import random
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
@@ -176,10 +177,10 @@ class QueueWorker:
             log_event(logging.INFO, "shutting-down", worker_id=self.worker_id)
             self._stopping.set()
             self._wakeup.set()
-            deadline = self.options.await_termination_timeout
+            deadline = time.monotonic() + self.options.await_termination_timeout
             for thread in self._threads:
                 if thread is not threading.current_thread():
-                    thread.join(deadline)
+                    thread.join(max(0.0, deadline - time.monotonic()))
             unfinished = [t.name for t in self._threads if t.is_alive()]
             if unfinished:
                 log_event(

@@ -55,10 +55,11 @@ def _sequence() -> sa.types.TypeEngine[int]:
     return sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
 
-def _name() -> sa.types.TypeEngine[str]:
-    """A queue name or job type, compared byte for byte (binary collation on MySQL)."""
+def _name(dialect: sa.Dialect) -> sa.types.TypeEngine[str]:
+    """A queue name or job type, compared exactly (binary NO PAD collation on MySQL)."""
+    collation = "utf8mb4_nopad_bin" if getattr(dialect, "is_mariadb", False) else "utf8mb4_0900_bin"
     return sa.String(_NAME_LENGTH).with_variant(
-        mysql.VARCHAR(_NAME_LENGTH, charset="utf8mb4", collation="utf8mb4_bin"),
+        mysql.VARCHAR(_NAME_LENGTH, charset="utf8mb4", collation=collation),
         "mysql",
         "mariadb",
     )
@@ -90,12 +91,13 @@ def create_tables(op: Operations | ModuleType | None = None) -> None:
     Constraint and index names are final (``op.f``), so your naming convention leaves them be.
     """
     ops = _operations(op)
+    dialect = ops.get_context().dialect
     ops.create_table(
         _JOB,
         sa.Column("seq", _sequence(), autoincrement=True, nullable=False),
         sa.Column("job_id", sa.Uuid(), nullable=False),
-        sa.Column("queue", _name(), nullable=False),
-        sa.Column("job_type", _name(), nullable=False),
+        sa.Column("queue", _name(dialect), nullable=False),
+        sa.Column("job_type", _name(dialect), nullable=False),
         sa.Column("payload", _payload(), nullable=False),
         sa.Column("attempts", sa.Integer(), nullable=False),
         sa.Column("enqueued_at", _timestamp(), nullable=False),
@@ -110,8 +112,8 @@ def create_tables(op: Operations | ModuleType | None = None) -> None:
     ops.create_table(
         _ARCHIVED_JOB,
         sa.Column("job_id", sa.Uuid(), nullable=False),
-        sa.Column("queue", _name(), nullable=False),
-        sa.Column("job_type", _name(), nullable=False),
+        sa.Column("queue", _name(dialect), nullable=False),
+        sa.Column("job_type", _name(dialect), nullable=False),
         sa.Column("payload", _payload(), nullable=False),
         sa.Column("attempts", sa.Integer(), nullable=False),
         sa.Column("enqueued_at", _timestamp(), nullable=False),

@@ -182,8 +182,8 @@ EXPECTED_JOB_COLUMN_TYPES = {
     },
     "mariadb": {
         "seq": "BIGINT",
-        "queue": "VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin",
-        "job_type": "VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin",
+        "queue": "VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin",
+        "job_type": "VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin",
         "payload": "LONGTEXT",
         "process_at": "DATETIME(6)",
     },
