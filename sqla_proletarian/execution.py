@@ -159,9 +159,10 @@ class JobRunner:
                     error=repr(exc),
                     hint=sql.connection_loss_hint(exc),
                 )
-            if not isinstance(exc, Exception) and run is not None and run.run_id is not None:
-                # Stopped from outside (KeyboardInterrupt...): the job is left untouched,
-                # so its run is not an unclean end.
+            if isinstance(exc, KeyboardInterrupt) and run is not None and run.run_id:
+                # Interrupted by the operator: the job is left untouched, and its run is not
+                # an unclean end. A SystemExit or other BaseException from the handler keeps
+                # its record, so a job that always exits its worker cannot loop forever.
                 self._forget_run(ledger or conn, run.run_id)
             raise
         self._finished(job, outcome, failure)
@@ -269,6 +270,13 @@ class JobRunner:
             raise ProletarianError(
                 "the handler returned an awaitable, so its work never ran: handlers must be "
                 "plain functions (wrap async code with asyncio.run)"
+            )
+        if inspect.isgenerator(result):
+            result.close()
+        if inspect.isgenerator(result) or inspect.isasyncgen(result):
+            raise ProletarianError(
+                "the handler returned a generator, so its body never ran: handlers must be "
+                "plain functions, not generators"
             )
 
     def _after_exception(

@@ -50,7 +50,9 @@ class Job(Base):
     __tablename__ = JOB_TABLE
     __table_args__ = (
         Index("ix_proletarian_job_poll", "queue", "process_at", "seq"),
-        _MYSQL_TABLE_ARGS,
+        # Jobs are known by their client-made job_id: an enqueue need not read ``seq`` back,
+        # so an enqueue-only role needs no SELECT grant.
+        {**_MYSQL_TABLE_ARGS, "implicit_returning": False},
     )
 
     # ``seq`` (the table's key) orders equal ``process_at`` values by enqueue order; the ORM

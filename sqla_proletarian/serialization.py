@@ -43,6 +43,12 @@ class JsonSerializer:
             raise PayloadSerializationError(
                 "payload is nested too deeply to store as JSON; flatten it", None
             ) from None
+        except ValueError as exc:
+            # int -> str conversion refuses very long ints (sys.get_int_max_str_digits()).
+            raise PayloadSerializationError(
+                f"payload cannot be written as JSON ({exc}); store very long numbers as strings",
+                payload,
+            ) from None
 
     def loads(self, text: str) -> Any:
         return json.loads(text, object_hook=self._decode_object)

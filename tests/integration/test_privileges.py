@@ -1,0 +1,334 @@
+"""Least privilege: a worker role and an enqueue-only role work with exactly the grants
+docs/privileges.md lists, on PostgreSQL and MariaDB, and every one of those grants is needed.
+
+Each test creates its roles (PostgreSQL roles are cluster-wide: unique names) in the test's
+fresh database, with PUBLIC's default rights on that database revoked, and drops them after.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+import sqla_proletarian as sp
+
+if TYPE_CHECKING:
+    from conftest import Database
+
+SERVER_BACKENDS = [
+    name
+    for name in ("postgresql", "mariadb")
+    if name in os.environ.get("SP_TEST_BACKENDS", "postgresql,mariadb").split(",")
+]
+pytestmark = pytest.mark.parametrize("empty_database", SERVER_BACKENDS, indirect=True)
+
+#: (privilege, object) pairs: the grants of docs/privileges.md, one privilege each.
+Grant = tuple[str, str]
+
+WORKER_GRANTS: list[Grant] = [
+    ("SELECT", "proletarian_job"),
+    ("UPDATE", "proletarian_job"),
+    ("DELETE", "proletarian_job"),
+    ("INSERT", "proletarian_archived_job"),
+    ("SELECT", "proletarian_job_run"),
+    ("INSERT", "proletarian_job_run"),
+    ("DELETE", "proletarian_job_run"),
+]
+ENQUEUER_GRANTS: dict[str, list[Grant]] = {
+    # BIGSERIAL's nextval() needs USAGE on its sequence. The enqueue reads nothing back
+    # (no RETURNING: jobs are known by their client-made job_id), so no SELECT is needed.
+    "postgresql": [
+        ("INSERT", "proletarian_job"),
+        ("USAGE", "SEQUENCE proletarian_job_seq_seq"),
+    ],
+    "mariadb": [("INSERT", "proletarian_job")],
+}
+
+#: MariaDB's any-host wildcard '%', doubled because pymysql %-formats driver SQL.
+ANY_HOST = "%%"
+PG_INSUFFICIENT_PRIVILEGE = "42501"
+#: MariaDB: database, table and column access denied.
+MARIADB_ACCESS_DENIED = {1044, 1142, 1143}
+
+
+def permission_denied(exc: BaseException) -> bool:
+    """Whether a database error is the server refusing for lack of a privilege."""
+    if not isinstance(exc, sa.exc.DBAPIError):
+        return False
+    orig = exc.orig
+    if getattr(orig, "sqlstate", None) == PG_INSUFFICIENT_PRIVILEGE:
+        return True
+    args = getattr(orig, "args", ())
+    return bool(args) and args[0] in MARIADB_ACCESS_DENIED
+
+
+@dataclass
+class Role:
+    """A login role/user on the test database and an engine connected as it."""
+
+    backend: str
+    name: str
+    engine: sa.Engine
+    admin: sa.Engine
+    database: str
+
+    def _account(self) -> str:
+        return self.name if self.backend == "postgresql" else f"'{self.name}'@'{ANY_HOST}'"
+
+    def _target(self, obj: str) -> str:
+        return obj if self.backend == "postgresql" else f"`{self.database}`.`{obj}`"
+
+    def grant(self, grant: Grant) -> None:
+        privilege, obj = grant
+        self.admin_sql(f"GRANT {privilege} ON {self._target(obj)} TO {self._account()}")
+
+    def revoke(self, grant: Grant) -> None:
+        privilege, obj = grant
+        self.admin_sql(f"REVOKE {privilege} ON {self._target(obj)} FROM {self._account()}")
+
+    def admin_sql(self, statement: str) -> None:
+        with self.admin.connect() as conn:
+            conn.exec_driver_sql(statement)
+
+
+@dataclass
+class Roles:
+    """Makes roles with given grants; drops them all at teardown."""
+
+    database: Database
+    admin: sa.Engine
+    made: list[Role] = field(default_factory=list)
+
+    @property
+    def backend(self) -> str:
+        return self.database.backend
+
+    def make(self, kind: str, grants: list[Grant]) -> Role:
+        name = f"sp_{kind}_{uuid.uuid4().hex[:8]}"
+        password = uuid.uuid4().hex
+        dbname = self.database.url.database
+        assert dbname is not None
+        with self.admin.connect() as conn:
+            if self.backend == "postgresql":
+                conn.exec_driver_sql(f"CREATE ROLE {name} LOGIN PASSWORD '{password}'")
+                conn.exec_driver_sql(f"GRANT CONNECT ON DATABASE {dbname} TO {name}")
+                conn.exec_driver_sql(f"GRANT USAGE ON SCHEMA public TO {name}")
+            else:
+                conn.exec_driver_sql(
+                    f"CREATE USER '{name}'@'{ANY_HOST}' IDENTIFIED BY '{password}'"
+                )
+        url = self.database.url.set(username=name, password=password)
+        engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+        role = Role(self.backend, name, engine, self.admin, dbname)
+        self.made.append(role)
+        for grant in grants:
+            role.grant(grant)
+        return role
+
+    def drop_all(self) -> None:
+        for role in self.made:
+            role.engine.dispose()
+            with self.admin.connect() as conn:
+                if self.backend == "postgresql":
+                    conn.exec_driver_sql(f"DROP OWNED BY {role.name}")
+                    conn.exec_driver_sql(f"DROP ROLE {role.name}")
+                else:
+                    conn.exec_driver_sql(f"DROP USER IF EXISTS '{role.name}'@'{ANY_HOST}'")
+
+
+@pytest.fixture
+def roles(database: Database) -> Iterator[Roles]:
+    """Roles on the test database, which PUBLIC may not use unless granted."""
+    admin = database.engine(isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
+    if database.backend == "postgresql":
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f"REVOKE ALL ON DATABASE {database.url.database} FROM PUBLIC")
+            conn.exec_driver_sql("REVOKE ALL ON SCHEMA public FROM PUBLIC")
+    made = Roles(database, admin)
+    try:
+        yield made
+    finally:
+        made.drop_all()
+
+
+# --- what each role does ------------------------------------------------------------------
+
+
+def enqueue_as_admin(engine: sa.Engine, queue: str, *job_types: str) -> dict[str, uuid.UUID]:
+    with Session(engine) as session:
+        ids = {job_type: sp.enqueue(session, job_type, {}, queue=queue) for job_type in job_types}
+        session.commit()
+    return ids
+
+
+def leave_unclean_end(engine: sa.Engine, job_id: uuid.UUID) -> None:
+    """A run record with no outcome, as a worker that died mid-job leaves behind."""
+    with engine.begin() as conn:
+        conn.execute(
+            sa.insert(sp.JobRun.__table__).values(
+                run_id=uuid.uuid4(),
+                job_id=job_id,
+                worker_id="a worker that died",
+                started_at=datetime.now(UTC),
+            )
+        )
+
+
+def work_off(worker: Role, queue: str, max_unclean_ends: int | None) -> list[str]:
+    """Run the queue dry as the worker role: success, a retry, a failure and a crash."""
+    flaked: set[str] = set()
+    failed: list[str] = []
+
+    def handler(job_type: str, payload: Any) -> None:
+        if job_type == "flaky" and job_type not in flaked:
+            flaked.add(job_type)
+            raise RuntimeError("first run fails")
+        if job_type == "doomed":
+            raise RuntimeError("always fails")
+
+    def retry_strategy(job: sp.JobContext, exc: Exception) -> sp.RetryStrategy | None:
+        return sp.RetryStrategy(1) if job.job_type == "flaky" else None
+
+    while sp.process_next_job(
+        worker.engine,
+        handler,
+        queue=queue,
+        retry_strategy=retry_strategy,
+        failed_job_handler=lambda job, exc: failed.append(type(exc).__name__),
+        max_unclean_ends=max_unclean_ends,
+    ):
+        pass
+    return failed
+
+
+def exercise_worker(admin: sa.Engine, worker: Role, queue: str, *, ledger: bool = True) -> None:
+    """Jobs to success, retry and failure run by the worker role; with the crash ledger on,
+    also a job that already crashed a worker, which is archived as crashed."""
+    expected = {"ok": ("success", 1), "flaky": ("success", 2), "doomed": ("failure", 1)}
+    if ledger:
+        expected["crashed"] = ("failure", 1)
+    ids = enqueue_as_admin(admin, queue, *expected)
+    if ledger:
+        leave_unclean_end(admin, ids["crashed"])
+    failed = work_off(worker, queue, 1 if ledger else None)
+    assert sorted(failed) == (["JobCrashedError", "RuntimeError"] if ledger else ["RuntimeError"])
+    with Session(admin) as session:
+        archived = {
+            row.job_type: (row.status, row.attempts)
+            for row in session.scalars(
+                sa.select(sp.ArchivedJob).where(sp.ArchivedJob.queue == queue)
+            )
+        }
+        assert archived == expected
+        runs = session.scalar(
+            sa.select(sa.func.count())
+            .select_from(sp.JobRun)
+            .where(sp.JobRun.job_id.in_(ids.values()))
+        )
+        assert runs == 0
+        left = session.scalar(
+            sa.select(sa.func.count()).select_from(sp.Job).where(sp.Job.queue == queue)
+        )
+        assert left == 0
+
+
+def enqueue_both_ways(enqueuer: Role, queue: str) -> list[uuid.UUID]:
+    with Session(enqueuer.engine) as session:
+        first = sp.enqueue(session, "from-session", {"n": 1}, queue=queue)
+        session.commit()
+    with enqueuer.engine.begin() as conn:
+        second = sp.enqueue(conn, "from-connection", {"n": 2}, queue=queue)
+    return [first, second]
+
+
+def assert_refused(action: Callable[[], object]) -> None:
+    with pytest.raises(sa.exc.DBAPIError) as info:
+        action()
+    assert permission_denied(info.value), info.value
+
+
+# --- tests --------------------------------------------------------------------------------
+
+
+def test_a_worker_role_runs_jobs_with_exactly_the_documented_grants(
+    roles: Roles, engine: sa.Engine
+) -> None:
+    """With only the worker grants, jobs run to success, retry, failure and crash-failure,
+    and the crash ledger records and clears its rows."""
+    worker = roles.make("worker", WORKER_GRANTS)
+    exercise_worker(engine, worker, "work")
+
+
+def test_a_worker_without_the_crash_ledger_needs_no_grants_on_the_run_table(
+    roles: Roles, engine: sa.Engine
+) -> None:
+    """With max_unclean_ends=None the worker never touches proletarian_job_run."""
+    ledger_grants = [g for g in WORKER_GRANTS if g[1] == "proletarian_job_run"]
+    worker = roles.make("worker", [g for g in WORKER_GRANTS if g not in ledger_grants])
+    exercise_worker(engine, worker, "no-ledger", ledger=False)
+
+
+def test_an_enqueue_only_role_enqueues_but_cannot_delete_read_or_change_jobs(
+    roles: Roles, engine: sa.Engine
+) -> None:
+    """With only the enqueue grants, enqueue works through a Session and a Connection; the
+    role cannot delete, update or read jobs, nor read the archive."""
+    enqueuer = roles.make("enqueuer", ENQUEUER_GRANTS[roles.backend])
+    job_ids = enqueue_both_ways(enqueuer, "enq")
+
+    def sql(statement: sa.Executable) -> Callable[[], object]:
+        def run() -> object:
+            with enqueuer.engine.begin() as conn:
+                return conn.execute(statement)
+
+        return run
+
+    job = sp.Job.__table__
+    assert_refused(sql(sa.delete(job)))
+    assert_refused(sql(sa.update(job).values(attempts=5)))
+    assert_refused(sql(sa.select(job.c.payload)))
+    assert_refused(sql(sa.select(sp.ArchivedJob.__table__.c.job_id)))
+
+    ran: list[Any] = []
+    while sp.process_next_job(engine, lambda t, p: ran.append((t, p)), queue="enq"):
+        pass
+    assert sorted(ran) == [("from-connection", {"n": 2}), ("from-session", {"n": 1})]
+    with Session(engine) as session:
+        statuses = [session.get(sp.ArchivedJob, job_id) for job_id in job_ids]
+    assert [s.status if s else None for s in statuses] == ["success", "success"]
+
+
+def test_every_documented_worker_grant_is_needed(roles: Roles, engine: sa.Engine) -> None:
+    """Take away any one worker grant and the worker is refused by the server."""
+    worker = roles.make("worker", WORKER_GRANTS)
+    for number, grant in enumerate(WORKER_GRANTS):
+        worker.revoke(grant)
+        try:
+            with pytest.raises(sa.exc.DBAPIError) as info:
+                exercise_worker(engine, worker, f"without-{number}")
+            assert permission_denied(info.value), (grant, info.value)
+        finally:
+            worker.grant(grant)
+
+
+def test_every_documented_enqueue_grant_is_needed(roles: Roles) -> None:
+    """Take away any one enqueue grant and enqueue through a Session is refused."""
+    grants = ENQUEUER_GRANTS[roles.backend]
+    enqueuer = roles.make("enqueuer", grants)
+    for grant in grants:
+        enqueuer.revoke(grant)
+        try:
+            with pytest.raises(sa.exc.DBAPIError) as info:
+                enqueue_both_ways(enqueuer, "needed")
+            assert permission_denied(info.value), (grant, info.value)
+        finally:
+            enqueuer.grant(grant)
+    enqueue_both_ways(enqueuer, "needed")
