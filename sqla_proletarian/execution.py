@@ -7,11 +7,12 @@ import logging
 import os
 import socket
 import threading
+import time
 import traceback
 import uuid
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
@@ -60,6 +61,8 @@ class WorkerConnections:
     conn: Connection
     ledger: Connection | None
     _stack: ExitStack
+    #: The server's idle-transaction limit where its errors do not name it (for log hints).
+    idle_timeout: float | None = None
 
     def close(self) -> None:
         try:
@@ -78,6 +81,7 @@ class WorkerConnections:
 class _Run:
     run_id: uuid.UUID | None
     unclean_ends: int
+    started: float = field(default_factory=time.monotonic)
 
 
 def describe(exc: BaseException) -> str:
@@ -109,6 +113,12 @@ class JobRunner:
     def now(self) -> datetime:
         return check_aware("clock()", self.settings.clock())
 
+    @property
+    def connections_per_thread(self) -> int:
+        """Connections a claiming thread holds: its claim's, plus the run ledger's."""
+        ledger = self.settings.max_unclean_ends is not None and self.backend.separate_run_connection
+        return 2 if ledger else 1
+
     def open_connections(self) -> WorkerConnections:
         """The connections a thread claims with; hold them across jobs, close on errors."""
         stack = ExitStack()
@@ -119,19 +129,21 @@ class JobRunner:
             ledger = None
             if self.settings.max_unclean_ends is not None and self.backend.separate_run_connection:
                 ledger = stack.enter_context(self.backend.run_ledger_connection(self.engine))
-            return WorkerConnections(conn, ledger, stack.pop_all())
+            idle_timeout = self.backend.idle_timeout(conn)
+            return WorkerConnections(conn, ledger, stack.pop_all(), idle_timeout)
         raise AssertionError("unreachable")  # pragma: no cover
 
     def process_one(self, connections: WorkerConnections | None = None) -> bool:
         """Claim and run at most one job; True if a job was claimed."""
         if connections is not None:
-            return self._process(connections.conn, connections.ledger)
+            return self._process(connections)
         with self.open_connections() as opened:
-            return self._process(opened.conn, opened.ledger)
+            return self._process(opened)
 
     # --- one claim ------------------------------------------------------------------------
 
-    def _process(self, conn: Connection, ledger: Connection | None) -> bool:
+    def _process(self, connections: WorkerConnections) -> bool:
+        conn, ledger = connections.conn, connections.ledger
         run: _Run | None = None
         conn.begin()
         try:
@@ -151,22 +163,48 @@ class JobRunner:
             conn.commit()
         except BaseException as exc:
             _rollback_quietly(conn)
-            if run is not None and isinstance(exc, Exception):
-                log_event(
-                    logging.ERROR,
-                    "job-connection-lost",
-                    **self._fields(job),
-                    error=repr(exc),
-                    hint=sql.connection_loss_hint(exc),
-                )
-            if isinstance(exc, KeyboardInterrupt) and run is not None and run.run_id:
-                # Interrupted by the operator: the job is left untouched, and its run is not
-                # an unclean end. A SystemExit or other BaseException from the handler keeps
-                # its record, so a job that always exits its worker cannot loop forever.
-                self._forget_run(ledger or conn, run.run_id)
+            if run is not None:
+                self._interrupted(connections, job, run, exc)
             raise
         self._finished(job, outcome, failure)
         return True
+
+    def _interrupted(
+        self, connections: WorkerConnections, job: dict[str, Any], run: _Run, exc: BaseException
+    ) -> None:
+        """A claimed job's transaction ended without its outcome: say why, and whether the
+        run counts as an unclean end."""
+        ledger = connections.ledger or connections.conn
+        if isinstance(exc, KeyboardInterrupt):
+            # Interrupted by the operator: the job is left untouched, and its run is not an
+            # unclean end. A SystemExit or other BaseException from the handler keeps its
+            # record, so a job that always exits its worker cannot loop forever.
+            if run.run_id is not None:
+                self._forget_run(ledger, run.run_id)
+            return
+        if not isinstance(exc, Exception):
+            return
+        if sql.is_lock_conflict(exc) and not connections.conn.invalidated:
+            log_event(
+                logging.WARNING,
+                "job-outcome-rolled-back",
+                **self._fields(job),
+                error=repr(exc),
+                hint="a deadlock or lock wait timeout rolled back the job's transaction "
+                "while its outcome was recorded; the job will run again",
+            )
+            if run.run_id is not None:
+                self._forget_run(ledger, run.run_id)
+            return
+        log_event(
+            logging.ERROR,
+            "job-connection-lost",
+            **self._fields(job),
+            error=repr(exc),
+            hint=sql.connection_loss_hint(
+                exc, time.monotonic() - run.started, connections.idle_timeout
+            ),
+        )
 
     def _forget_run(self, conn: Connection, run_id: uuid.UUID) -> None:
         try:

@@ -168,9 +168,12 @@ def end_run(run_id: uuid.UUID) -> Statement:
 #: PostgreSQL SQLSTATEs after which a retry can succeed: serialization failure, deadlock,
 #: lock not available, shutdowns, idle-in-transaction timeout, and connection errors.
 PG_TRANSIENT_SQLSTATES = frozenset({"40001", "40P01", "55P03", "57P01", "57P02", "57P03", "25P03"})
+#: Of those, the ones where the server rolled the transaction back and kept the connection.
+PG_LOCK_CONFLICT_SQLSTATES = frozenset({"40001", "40P01", "55P03"})
 #: MySQL/MariaDB error numbers of the same kind: lock wait timeout, deadlock, server gone
 #: away, lost connection, cannot connect, shutdown in progress, connection killed.
 MYSQL_TRANSIENT_ERRNOS = frozenset({1205, 1213, 2003, 2006, 2013, 1053, 1927, 4031})
+MYSQL_LOCK_CONFLICT_ERRNOS = frozenset({1205, 1213})
 
 
 @dataclass(frozen=True)
@@ -196,7 +199,7 @@ class Backend:
         """A connection set up for claiming: isolation level, and SQLite's manual BEGIN."""
         with engine.connect() as conn:
             if self.isolation_level is not None:
-                conn.execution_options(isolation_level=self.isolation_level)
+                _set_up(conn, isolation_level=self.isolation_level)
             if not self.claim_takes_write_lock:
                 yield conn
                 return
@@ -209,11 +212,24 @@ class Backend:
                 if not conn.invalidated:
                     driver.isolation_level = previous  # type: ignore[union-attr]
 
+    def idle_timeout(self, conn: Connection) -> float | None:
+        """The session's idle-transaction limit in seconds where the server hides it in
+        errors (MariaDB closes the connection without saying why); None when there is none.
+        """
+        if not getattr(conn.dialect, "is_mariadb", False):
+            return None
+        row = conn.exec_driver_sql(
+            "SELECT @@idle_transaction_timeout, @@idle_write_transaction_timeout"
+        ).one()
+        conn.rollback()
+        limits = [float(value) for value in row if value]
+        return min(limits) if limits else None
+
     @contextmanager
     def run_ledger_connection(self, engine: Engine) -> Iterator[Connection]:
         """An autocommit connection for run records: each record commits on its own."""
         with engine.connect() as conn:
-            conn.execution_options(isolation_level="AUTOCOMMIT")
+            _set_up(conn, isolation_level="AUTOCOMMIT")
             for statement in self.run_ledger_setup:
                 conn.exec_driver_sql(statement)
             try:
@@ -227,6 +243,19 @@ class Backend:
         """Open the claim's transaction (``conn.begin()`` must already have been called)."""
         if self.claim_takes_write_lock:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def _set_up(conn: Connection, **options: Any) -> None:
+    """Set execution options; a connection that fails here (dead in the pool) is discarded.
+
+    Some dialects set the isolation level through a raw cursor, so the driver's error
+    arrives unwrapped; ``is_transient`` knows those too.
+    """
+    try:
+        conn.execution_options(**options)
+    except Exception:
+        conn.invalidate()
+        raise
 
 
 def backend_for(engine: Engine) -> Backend:
@@ -262,17 +291,41 @@ def backend_for(engine: Engine) -> Backend:
     )
 
 
+def _driver_error(exc: BaseException) -> BaseException | None:
+    """The driver's own exception behind ``exc`` (SQLAlchemy does not wrap every call)."""
+    if isinstance(exc, sa_exc.DBAPIError):
+        return exc.orig
+    module = type(exc).__module__
+    if module.startswith(("psycopg", "pymysql", "MySQLdb", "sqlite3")):
+        return exc
+    return None
+
+
+def _is_lock_conflict(orig: BaseException) -> bool:
+    sqlstate = getattr(orig, "sqlstate", None)
+    if sqlstate in PG_LOCK_CONFLICT_SQLSTATES:
+        return True
+    args: tuple[Any, ...] = getattr(orig, "args", ())
+    return bool(args) and isinstance(args[0], int) and args[0] in MYSQL_LOCK_CONFLICT_ERRNOS
+
+
+def is_lock_conflict(exc: BaseException) -> bool:
+    """A deadlock or lock wait timeout: the transaction rolled back, the connection lives."""
+    orig = _driver_error(exc)
+    return orig is not None and _is_lock_conflict(orig)
+
+
 def is_transient(exc: BaseException) -> bool:
     """Whether a database error is worth retrying after a pause (lost connection, deadlock...)."""
     if isinstance(exc, sa_exc.TimeoutError | sa_exc.PendingRollbackError):
         # A pool with no free connection; a transaction left broken by an earlier error
         # (the thread's connections are replaced before the next poll).
         return True
-    if not isinstance(exc, sa_exc.DBAPIError):
-        return False
-    if exc.connection_invalidated:
+    if isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated:
         return True
-    orig = exc.orig
+    orig = _driver_error(exc)
+    if orig is None:
+        return False
     sqlstate = getattr(orig, "sqlstate", None)
     if isinstance(sqlstate, str) and (sqlstate in PG_TRANSIENT_SQLSTATES or sqlstate[:2] == "08"):
         return True
@@ -285,14 +338,28 @@ def is_transient(exc: BaseException) -> bool:
         return "locked" in message or "busy" in message
     # psycopg reports a broken connection as an OperationalError without a SQLSTATE.
     return (
-        isinstance(exc, sa_exc.OperationalError)
-        and module.startswith("psycopg")
-        and (sqlstate is None)
+        module.startswith("psycopg")
+        and type(orig).__name__ == "OperationalError"
+        and sqlstate is None
     )
 
 
-def connection_loss_hint(exc: BaseException) -> str:
-    """What to change when a job's transaction was cut off by the server or the network."""
+def connection_loss_hint(
+    exc: BaseException, ran_for: float = 0.0, idle_timeout: float | None = None
+) -> str:
+    """What to change when a job's transaction was cut off by the server or the network.
+
+    ``idle_timeout`` is the server's idle-transaction limit in seconds, where it has one the
+    error does not name (MariaDB just drops the connection).
+    """
+    if idle_timeout and ran_for >= idle_timeout:
+        return (
+            f"the job ran {ran_for:.1f} s, longer than the server's idle transaction timeout "
+            f"({idle_timeout:g} s: MariaDB's idle_transaction_timeout or "
+            "idle_write_transaction_timeout), so the server closed the worker's session; the "
+            "job will run again. Raise that timeout for the worker's sessions or make the job "
+            "shorter"
+        )
     orig = getattr(exc, "orig", None)
     sqlstate = getattr(orig, "sqlstate", None)
     message = str(orig if orig is not None else exc).lower()

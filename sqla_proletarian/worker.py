@@ -15,7 +15,7 @@ from types import FrameType
 from typing import Any, Literal
 
 from sqlalchemy import Engine
-from sqlalchemy.pool import SingletonThreadPool
+from sqlalchemy.pool import QueuePool, SingletonThreadPool
 
 from sqla_proletarian.enqueue import Clock, check_name, utc_now
 from sqla_proletarian.errors import ConfigurationError
@@ -135,6 +135,7 @@ class QueueWorker:
         self.options = options
         self.worker_id: str = options.worker_id or ""
         self._runner = JobRunner(engine, options.run_settings(handler), self._count)
+        _check_pool(engine, self._runner.connections_per_thread, options.worker_threads)
         self._counts: dict[Outcome, int] = {"succeeded": 0, "retried": 0, "failed": 0}
         self._counts_lock = threading.Lock()
         self._stopping = threading.Event()
@@ -368,6 +369,33 @@ def _check_engine(engine: Engine) -> None:
             "this SQLite engine gives each thread its own in-memory database, so worker "
             "threads would never see the jobs: use a file database "
             "(create_engine('sqlite:///jobs.db')), or process_next_job() in one thread"
+        )
+
+
+def _check_pool(engine: Engine, per_thread: int, threads: int) -> None:
+    """Refuse a pool that can never give a thread its connections; warn if it starves some."""
+    pool = engine.pool
+    if not isinstance(pool, QueuePool):
+        return
+    overflow = pool._max_overflow
+    capacity = float("inf") if overflow < 0 else pool.size() + overflow
+    advice = (
+        f"each worker thread holds {per_thread} connection(s) (its claim"
+        + (" and its run records" if per_thread > 1 else "")
+        + f"), so give the engine pool_size + max_overflow >= {per_thread * threads} "
+        "for the worker, plus what the application uses"
+    )
+    if capacity < per_thread:
+        raise ConfigurationError(
+            f"the engine's pool holds at most {capacity:g} connection(s): {advice}"
+        )
+    if capacity < per_thread * threads:
+        log_event(
+            logging.WARNING,
+            "pool-too-small",
+            pool_capacity=capacity,
+            worker_threads=threads,
+            hint=f"some worker threads will wait for connections: {advice}",
         )
 
 

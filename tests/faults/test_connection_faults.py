@@ -1,0 +1,172 @@
+"""Fault scenarios 3, 4 and 7: the server restarts, kills sessions, or times a job out."""
+
+from __future__ import annotations
+
+import time
+
+import fault_fleet as ff
+import fault_harness as fh
+import fault_report as fr
+
+BUSY_ARGS = ["--threads=2", "--sleep-min-ms=10", "--sleep-max-ms=40", "--polling-interval=0.02"]
+
+
+def finish(
+    scenario: str,
+    db: fh.FaultDatabase,
+    fleet: ff.Fleet,
+    faults: str,
+    fault_end: float,
+    problems: list[str],
+    max_duplicated: int,
+) -> None:
+    """Wait for the queue to drain, check everything, record the row, fail on problems."""
+    since = time.monotonic() - (time.time() - fault_end)
+    drain = db.wait_drained(since, timeout=60, give_up=lambda: fleet.alive() == 0)
+    if drain is None:
+        problems.append("the queue was not drained after the fault")
+    check = fleet.check(strict=False)
+    alive = fleet.alive()
+    if alive != len(fleet.slots):
+        problems.append(f"only {alive} of {len(fleet.slots)} workers alive at the end")
+    problems += check.problems(max_duplicated=max_duplicated)
+    recover = db.first_archived_after(fault_end)
+    fr.record(scenario, db, check, faults, f"{alive}/{len(fleet.slots)}", recover, drain, problems)
+    assert not problems, "\n".join(problems) + "\n" + fleet.evidence(check)
+
+
+def test_workers_survive_a_server_restart(fault_db: fh.FaultDatabase, fleet: ff.Fleet) -> None:
+    """The server restarts while workers are busy: they reconnect, and finish every job."""
+    db = fault_db
+    db.enqueue(fh.job_mix(240))
+    fleet.start(2, BUSY_ARGS)
+    fleet.wait_ready()
+    assert db.wait_archived(30, timeout=30), "the workers did not start working"
+    busy = [worker.name for worker in fleet.slots if worker.wait_line("start", 2, fresh=False)]
+    db.restart_server()
+    restarted = time.time()
+    problems = [] if len(busy) == 2 else [f"only {busy} were busy when the server restarted"]
+    if db.pending() == 0:
+        problems.append("the queue was empty after the restart: too few jobs to test it")
+    # Jobs running when the server went down lost their transaction and run again.
+    finish("3 server restart", db, fleet, "1 restart", restarted, problems, max_duplicated=4)
+
+
+def test_workers_survive_sessions_killed_by_the_server(
+    fault_db: fh.FaultDatabase, fleet: ff.Fleet
+) -> None:
+    """Every worker session is ended server-side every 0.3 s for 4 s: no job is lost."""
+    db = fault_db
+    db.enqueue(fh.job_mix(200))
+    fleet.start(2, BUSY_ARGS)
+    fleet.wait_ready()
+    killed = rounds = 0
+    end = time.monotonic() + 4.0
+    while time.monotonic() < end:
+        if db.pending() < 50:
+            db.enqueue(fh.job_mix(100))
+        killed += db.terminate_connections()
+        rounds += 1
+        time.sleep(0.3)
+    ended = time.time()
+    problems = [] if killed else ["no worker session was ever found to kill"]
+    # Each round can take the running jobs (two threads in each of two workers) with it.
+    finish(
+        "4 sessions killed",
+        db,
+        fleet,
+        f"{killed} sessions in {rounds} rounds",
+        ended,
+        problems,
+        max_duplicated=4 * rounds,
+    )
+
+
+def test_a_pooled_connection_killed_before_use_is_a_transient_error(
+    fault_db: fh.FaultDatabase, fleet: ff.Fleet
+) -> None:
+    """The server ends connections between their checkout and first use: the worker goes on.
+
+    As when the server ended a connection idle in the pool (a KILL, MariaDB's wait_timeout):
+    the worker's first command on it fails, and that is a lost connection like any other.
+    """
+    db = fault_db
+    db.enqueue(fh.job_mix(20))
+    started = time.time()
+    fleet.start(1, ["--threads=1", "--polling-interval=0.02", "--kill-on-checkout=3"])
+    problems: list[str] = []
+    worker = fleet.slots[0]
+    if worker.wait_line("killed-on-checkout", timeout=30, fresh=False) is None:
+        problems.append("the worker never took a connection from its pool")
+    finish(
+        "4b killed in pool",
+        db,
+        fleet,
+        "3 sessions killed at checkout",
+        started,
+        problems,
+        max_duplicated=1,
+    )
+
+
+#: The server setting that ends a session idle in a transaction, per backend, and how the
+#: worker's sessions get it (one second).
+IDLE_TIMEOUTS = {
+    "postgresql": (
+        "idle_in_transaction_session_timeout",
+        ["--pg-options=-c idle_in_transaction_session_timeout=1000"],
+    ),
+    "mariadb": (
+        "idle_transaction_timeout",
+        ["--session-sql=SET SESSION idle_transaction_timeout=1"],
+    ),
+}
+
+
+def test_a_job_longer_than_the_idle_transaction_timeout_runs_again(
+    fault_db: fh.FaultDatabase, fleet: ff.Fleet
+) -> None:
+    """A job outlives the server's idle-in-transaction timeout: the worker survives, the
+    job runs again and succeeds, and the log names the setting to change."""
+    db = fault_db
+    setting, args = IDLE_TIMEOUTS[db.backend]
+    [slow] = db.enqueue(["slow"])
+    db.enqueue(fh.job_mix(10))
+    fleet.start(1, ["--threads=2", "--slow-ms=2500", "--polling-interval=0.02", *args])
+    worker = fleet.slots[0]
+    problems: list[str] = []
+    # The slow job's first run ends 2.5 s after it started, 1.5 s after the server gave up.
+    if worker.wait_line("done", timeout=30, fresh=False, rest=str(slow)) is None:
+        problems.append("the slow job's first run never ended")
+    first_run_end = time.time()
+    drain = db.wait_drained(time.monotonic(), timeout=30, give_up=lambda: fleet.alive() == 0)
+    if drain is None:
+        problems.append("the queue was not drained after the timeout")
+    check = fleet.check(strict=False)
+    alive = fleet.alive()
+    if alive != 1:
+        problems.append("the worker died")
+    problems += check.problems(max_duplicated=1)
+    if db.run_count(slow) < 2:
+        problems.append(f"the slow job ran {db.run_count(slow)} times: it was not run again")
+    archived = db.archived_at(slow)
+    recover = None if archived is None else archived - first_run_end
+    log = worker.log()
+    lines = [line for line in log.splitlines() if str(slow) in line and " WARNING " in line]
+    lines += [line for line in log.splitlines() if str(slow) in line and " ERROR " in line]
+    fr.record(
+        "7 idle-in-transaction timeout",
+        db,
+        check,
+        f"1 job over {setting}=1s",
+        f"{alive}/1",
+        recover,
+        drain,
+        problems + ([] if any(setting in line for line in lines) else ["no hint in the log"]),
+    )
+    assert not problems, "\n".join(problems) + "\n" + fleet.evidence(check)
+    # What the operator reads: the job's run was cut off, by which setting, what to change.
+    assert any(setting in line for line in lines), (
+        f"no log line about job {slow} names {setting}; its warnings and errors:\n"
+        + "\n".join(lines)
+    )
