@@ -42,6 +42,7 @@ $(STAMP): pyproject.toml
 
 lint: venv
 	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 	$(VENV)/bin/mypy --strict sqla_proletarian
 
 test: venv lint

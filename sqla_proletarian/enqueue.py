@@ -9,13 +9,13 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Engine, insert
+from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session
 
 from sqla_proletarian.errors import InvalidJobError, NotATransactionError, ProletarianError
 from sqla_proletarian.models import DEFAULT_QUEUE, Job
 from sqla_proletarian.serialization import DEFAULT_SERIALIZER, Serializer
-from sqla_proletarian.statements import JOB
+from sqla_proletarian.statements import insert_job
 from sqla_proletarian.types import MAX_NAME_LENGTH
 
 Clock = Callable[[], datetime]
@@ -166,7 +166,7 @@ def enqueue(
             process_in=process_in,
             **options,
         )
-        session_or_connection.execute(insert(JOB).values(**values))
+        session_or_connection.execute(*insert_job(values))
         job_id: uuid.UUID = values["job_id"]
         return job_id
     if isinstance(session_or_connection, Engine):

@@ -321,7 +321,7 @@ class JobRunner:
         self, conn: Connection, job: dict[str, Any], context: JobContext, exc: Exception, runs: int
     ) -> tuple[Outcome, tuple[JobContext, Exception] | None]:
         attempt = job["attempts"] + 1
-        strategy = self._strategy(context, exc)
+        strategy = self._strategy(job, context, exc)
         left = strategy.retries_left(attempt) if strategy is not None else 0
         fields = self._fields(job)
         if strategy is None or left <= 0:
@@ -334,7 +334,9 @@ class JobRunner:
         )
         return "retried", None
 
-    def _strategy(self, context: JobContext, exc: Exception) -> RetryStrategy | None:
+    def _strategy(
+        self, job: dict[str, Any], context: JobContext, exc: Exception
+    ) -> RetryStrategy | None:
         if self.settings.retry_strategy is None:
             return None
         try:
@@ -343,7 +345,7 @@ class JobRunner:
             log_event(
                 logging.ERROR,
                 "retry-strategy-error",
-                **self._fields_of(context),
+                **self._fields(job),
                 error=repr(error),
                 hint="the retry strategy raised; the job is archived as failed",
             )
@@ -405,16 +407,6 @@ class JobRunner:
             "job_type": job["job_type"],
             "queue": job["queue"],
             "attempt": job["attempts"] + 1,
-        }
-
-    def _fields_of(self, context: JobContext) -> dict[str, Any]:
-        return {
-            "worker_id": self.settings.worker_id,
-            "thread_name": threading.current_thread().name,
-            "job_id": context.job_id,
-            "job_type": context.job_type,
-            "queue": context.queue,
-            "attempt": context.attempts,
         }
 
 

@@ -80,6 +80,14 @@ def poll(queue: str, now: datetime, limit: int = 1, *, with_runs: bool = False) 
     return _poll(limit, with_runs), {"queue": queue, "now": now}
 
 
+_INSERT_JOB = insert(JOB)
+
+
+def insert_job(values: dict[str, Any]) -> Statement:
+    """Enqueue one job (the caller's transaction commits it)."""
+    return _INSERT_JOB, values
+
+
 _RESELECT = select(*JOB_COLUMNS).where(JOB.c.job_id == bindparam("job_id"))
 
 

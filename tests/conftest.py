@@ -8,6 +8,7 @@ never a silent skip.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Iterator
@@ -97,10 +98,8 @@ def _drop_database(backend: str, admin: sa.Engine | None, name: str) -> None:
             for (pid,) in conn.exec_driver_sql(
                 "SELECT id FROM information_schema.processlist WHERE db = %s", (name,)
             ):
-                try:
+                with contextlib.suppress(sa.exc.DBAPIError):
                     conn.exec_driver_sql(f"KILL {int(pid)}")
-                except sa.exc.DBAPIError:
-                    pass
             conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name}")
     admin.dispose()
 
