@@ -149,6 +149,12 @@ class JobRunner:
         try:
             self.backend.begin_claim(conn)
             tracked = self.settings.max_unclean_ends is not None
+            log_event(
+                logging.DEBUG,
+                "polling-for-jobs",
+                worker_id=self.settings.worker_id,
+                queue=self.settings.queue,
+            )
             claim = sql.poll(self.settings.queue, self.now(), with_runs=tracked)
             row = conn.execute(*claim).mappings().first()
             if row is None:
