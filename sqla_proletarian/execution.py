@@ -371,9 +371,25 @@ class JobRunner:
     def _archive(
         self, conn: Connection, job: dict[str, Any], status: str, attempts: int, error: str | None
     ) -> None:
-        conn.execute(
-            *sql.archive(job, status=status, attempts=attempts, finished_at=self.now(), error=error)
+        archived = conn.execute(
+            *sql.archive(
+                job,
+                status=status,
+                attempts=attempts,
+                finished_at=self.now(),
+                error=error,
+                dialect=self.backend.name,
+            )
         )
+        if archived.rowcount == 0:
+            log_event(
+                logging.WARNING,
+                "archive-conflict",
+                **self._fields(job),
+                status=status,
+                hint="the archive already holds a job with this id (enqueued again with the "
+                "same job_id); the earlier row is kept and this job leaves the queue",
+            )
         if self.settings.max_unclean_ends is None:
             conn.execute(*sql.delete_job(job["job_id"]))
         elif self.backend.deletes_runs_with_job:

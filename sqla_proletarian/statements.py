@@ -28,6 +28,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy import exc as sa_exc
+from sqlalchemy.dialects import postgresql, sqlite
 
 from sqla_proletarian.models import ArchivedJob, Job, JobRun
 
@@ -96,14 +97,35 @@ def reselect(job_id: uuid.UUID) -> Statement:
     return _RESELECT, {"job_id": job_id}
 
 
-_ARCHIVE = insert(ARCHIVE)
+@cache
+def _archive(dialect: str) -> Executable:
+    # A job id already in the archive (a job enqueued again with an explicit job_id) must
+    # not make the outcome unrecordable: the earlier row is kept, and the caller is told.
+    # No conflict target: on PostgreSQL one would need SELECT on the archive.
+    statement: Executable
+    if dialect == "postgresql":
+        statement = postgresql.insert(ARCHIVE).on_conflict_do_nothing()
+    elif dialect == "sqlite":
+        statement = sqlite.insert(ARCHIVE).on_conflict_do_nothing()
+    elif dialect in ("mysql", "mariadb"):
+        statement = insert(ARCHIVE).prefix_with("IGNORE")
+    else:
+        statement = insert(ARCHIVE)
+    # rowcount says whether the row went in (0: the archive already had the job id).
+    return statement.execution_options(preserve_rowcount=True)
 
 
 def archive(
-    job: dict[str, Any], *, status: str, attempts: int, finished_at: datetime, error: str | None
+    job: dict[str, Any],
+    *,
+    status: str,
+    attempts: int,
+    finished_at: datetime,
+    error: str | None,
+    dialect: str = "",
 ) -> Statement:
-    """Copy a job into the archive with its outcome."""
-    return _ARCHIVE, {
+    """Copy a job into the archive with its outcome; a row already there is kept."""
+    return _archive(dialect), {
         "job_id": job["job_id"],
         "queue": job["queue"],
         "job_type": job["job_type"],
