@@ -108,6 +108,7 @@ class JobRunner:
         self.backend = sql.backend_for(engine)
         self._on_outcome = on_outcome
         self._connect_lock = threading.Lock()
+        self._claim_lock = threading.Lock()
         self._host = f"{socket.gethostname()}:{os.getpid()}"
 
     def now(self) -> datetime:
@@ -136,9 +137,18 @@ class JobRunner:
     def process_one(self, connections: WorkerConnections | None = None) -> bool:
         """Claim and run at most one job; True if a job was claimed."""
         if connections is not None:
-            return self._process(connections)
+            return self._claim_one(connections)
         with self.open_connections() as opened:
-            return self._process(opened)
+            return self._claim_one(opened)
+
+    def _claim_one(self, connections: WorkerConnections) -> bool:
+        if not self.backend.claim_takes_write_lock:
+            return self._process(connections)
+        # SQLite runs one job at a time per file anyway; taking turns inside the process
+        # also keeps a thread from claiming a job between another's run record and its
+        # re-claim (which would count an unclean end that never happened).
+        with self._claim_lock:
+            return self._process(connections)
 
     # --- one claim ------------------------------------------------------------------------
 
