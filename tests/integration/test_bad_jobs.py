@@ -379,6 +379,10 @@ def test_a_handler_that_calls_sys_exit_cannot_loop_forever(engine: sa.Engine) ->
         if queue_is_empty(engine):
             break
     assert queue_is_empty(engine), f"still queued after {len(runs)} runs that called sys.exit()"
+    # Each sys.exit() run is an unclean end; the start after the third archives the job as
+    # crashed without running it again.
+    assert len(runs) == 3
     jobs = wait_archived(engine, bad, good)
-    assert jobs[bad].status == "failure"
+    assert (jobs[bad].status, jobs[bad].attempts) == ("failure", 3)
+    assert "JobCrashedError" in (jobs[bad].error or "")
     assert jobs[good].status == "success"

@@ -31,6 +31,12 @@ SEEN = sa.Table(
 #: Longest a test waits for its jobs to be done.
 DEADLINE = 60.0
 
+#: Make a claim that waits for a locked row fail within two seconds (session settings).
+LOCK_TIMEOUT = {
+    "postgresql": "SET lock_timeout = '2s'",
+    "mariadb": "SET SESSION innodb_lock_wait_timeout = 2",
+}
+
 
 class Recorder:
     """An advanced-mode handler that records each run, in memory and in the ``seen`` table."""
@@ -149,7 +155,11 @@ def test_two_queue_workers_of_two_threads_each_share_a_queue_and_run_no_job_twic
 def test_open_claims_on_separate_connections_skip_each_others_locked_jobs(
     engine: sa.Engine, backend: str
 ) -> None:
-    """The poll itself: each open transaction gets the next unlocked job, in enqueue order."""
+    """The poll itself: each open transaction gets the next unlocked job, in enqueue order.
+
+    A short lock timeout turns a poll that waits for another claim's row lock (no SKIP
+    LOCKED) into a prompt failure instead of a hang until the test timeout.
+    """
     if backend == "sqlite":
         pytest.skip("SQLite has no row locks: a claim takes the whole database (BEGIN IMMEDIATE)")
     ordered = [next(iter(enqueue_jobs(engine, 1))) for _ in range(4)]
@@ -159,6 +169,7 @@ def test_open_claims_on_separate_connections_skip_each_others_locked_jobs(
         for conn in connections:
             conn.execution_options(isolation_level="READ COMMITTED")
             conn.begin()
+            conn.exec_driver_sql(LOCK_TIMEOUT[backend])
             row = conn.execute(*statements.poll(sp.DEFAULT_QUEUE, sp.utc_now())).first()
             claimed.append(row.job_id if row is not None else None)
     finally:

@@ -94,6 +94,39 @@ def test_equal_process_at_values_come_out_in_enqueue_order(engine: sa.Engine) ->
     assert order == ids
 
 
+def test_rows_rewritten_in_place_still_come_out_in_enqueue_order(
+    engine: sa.Engine, backend: str
+) -> None:
+    """Updating a row can move it in storage (PostgreSQL writes a new row version at the end
+    of the table), so storage order is not enqueue order: the poll's tie-breaker is.
+
+    On PostgreSQL the database's index scans are turned off, so the poll's own ORDER BY,
+    not the index's order, has to put equal times in enqueue order.
+    """
+    if backend == "postgresql":
+        with engine.connect() as conn:
+            name = conn.exec_driver_sql("SELECT current_database()").scalar_one()
+            for setting in ("enable_indexscan", "enable_indexonlyscan", "enable_bitmapscan"):
+                conn.exec_driver_sql(f'ALTER DATABASE "{name}" SET {setting} = off')
+            conn.commit()
+        engine.dispose()  # new connections take the settings
+    clock = FakeClock()
+    with Session(engine) as session:
+        ids = [sp.enqueue(session, "fifo", n, clock=clock) for n in range(20)]
+        session.commit()
+    job = sp.Job.__table__
+    with engine.begin() as conn:
+        conn.execute(
+            sa.update(job).where(job.c.job_id.in_(ids[:10])).values(attempts=job.c.attempts)
+        )
+    order: list[uuid.UUID] = []
+    while sp.process_next_job(
+        engine, lambda job: order.append(job.job_id), handler_mode="advanced", clock=clock
+    ):
+        pass
+    assert order == ids
+
+
 def test_a_retried_job_keeps_its_place_among_equal_times(engine: sa.Engine) -> None:
     """A job retried to time X runs before a job enqueued later for the same X."""
     clock = FakeClock()

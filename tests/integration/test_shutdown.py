@@ -94,21 +94,53 @@ def test_two_worker_threads_drain_fifty_jobs_each_once(engine: sa.Engine) -> Non
     assert {a.status for a in archived(engine)} == {"success"}
     assert jobs(engine) == []
     assert worker.summary() == {"succeeded": 50, "retried": 0, "failed": 0}
-    assert len({name for _, name in runs}) <= 2
+    assert {name for _, name in runs} <= {f"{worker.worker_id}-0", f"{worker.worker_id}-1"}
+
+
+class _PollReads(logging.Handler):
+    """Notes how often ``clock`` had been read when each poll began (the worker logs
+    polling-for-jobs in its own thread just before it reads the clock for the poll)."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__(logging.DEBUG)
+        self.clock = clock
+        self.before: list[int] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, "event", None) == "polling-for-jobs":
+            self.before.append(self.clock.calls)
 
 
 def test_polling_interval_is_the_pause_after_the_queue_is_drained(engine: sa.Engine) -> None:
-    """Queued jobs run back to back; once drained the worker waits the interval (or a wake)."""
-    ids = [enqueue_committed(engine, "t", n) for n in range(5)]
-    worker = sp.create_queue_worker(engine, _ok, polling_interval=30)
-    with running(worker):
-        assert wait_for(lambda: count(engine, sp.ArchivedJob) == 5, timeout=10)
-        time.sleep(0.2)  # let it find the queue empty and start its pause
-        late = enqueue_committed(engine, "t", "late")
-        time.sleep(0.4)
-        assert archived_job(engine, late) is None, "idle worker waits its polling interval"
-        worker.wake()
-        assert wait_for(lambda: archived_job(engine, late) is not None, timeout=5)
+    """Queued jobs run back to back; once drained the worker waits the interval (or a wake).
+
+    The late job is due one second after the fake clock's start. The clock moves there only
+    once the poll after the fifth job has read it, so that poll finds nothing due, and the
+    job, due from then on, stays queued until the pause ends: here, by wake().
+    """
+    clock = FakeClock()
+    ids = [enqueue_committed(engine, "t", n, clock=clock) for n in range(5)]
+    late = enqueue_committed(engine, "t", "late", process_in=1, clock=clock)
+    polls = _PollReads(clock)
+    logger = logging.getLogger("sqla_proletarian")
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(polls)
+    try:
+        worker = sp.create_queue_worker(engine, _ok, polling_interval=30, clock=clock)
+        with running(worker):
+            assert wait_for(lambda: count(engine, sp.ArchivedJob) == 5, timeout=10)
+            assert wait_for(lambda: len(polls.before) >= 6), "no poll after the fifth job"
+            assert wait_for(lambda: clock.calls > polls.before[5]), "the poll never read the clock"
+            clock.advance(1)
+            time.sleep(0.4)
+            assert archived_job(engine, late) is None, "idle worker waits its polling interval"
+            assert len(polls.before) == 6, "the worker polled again during its pause"
+            worker.wake()
+            assert wait_for(lambda: archived_job(engine, late) is not None, timeout=5)
+    finally:
+        logger.removeHandler(polls)
+        logger.setLevel(level)
     assert {a.job_id for a in archived(engine)} == {*ids, late}
 
 
@@ -128,7 +160,7 @@ def test_stop_lets_a_running_job_finish_then_calls_on_shutdown_once(engine: sa.E
 
     def handler(job_type: str, payload: Any) -> None:
         started.set()
-        time.sleep(1.0)
+        time.sleep(0.6)
 
     def on_shutdown() -> None:
         done = archived_job(engine, job_id)
@@ -256,9 +288,10 @@ def test_a_worker_only_takes_jobs_of_its_own_queue_compared_exactly(engine: sa.E
     )
     with running(worker):
         assert wait_for(lambda: archived_job(engine, mine) is not None)
-        time.sleep(0.3)
     assert taken == ["a"]
     assert {row.job_id: row.queue for row in jobs(engine)} == others
+    # Nothing is locked now: a poll of 'a' that matched 'b', 'A' or 'á' would claim it.
+    assert not sp.process_next_job(engine, _ok, queue="a")
     assert sp.process_next_job(engine, _ok, queue="A")
     assert not sp.process_next_job(engine, _ok, queue="a")
     assert sorted(row.queue for row in jobs(engine)) == ["b", "á"]
@@ -281,14 +314,17 @@ def test_queue_names_differing_in_trailing_spaces_are_different_queues(
 
 
 def test_an_unknown_worker_option_is_a_configuration_error(engine: sa.Engine) -> None:
+    """The refusal comes before any claim: a due job stays queued, untouched."""
+    job_id = enqueue_committed(engine, "t", None)
     with pytest.raises(sp.ConfigurationError, match="polling_intervall"):
         sp.create_queue_worker(engine, _ok, polling_intervall=1)
     with pytest.raises(sp.ConfigurationError, match="retry_strategy_fn"):
         sp.process_next_job(engine, _ok, retry_strategy_fn=None)
     with pytest.raises(sp.ConfigurationError, match="handler_mode"):
         sp.create_queue_worker(engine, _ok, handler_mode="fancy")
-    enqueue_committed(engine, "t", None)
-    assert count(engine, sp.Job) == 1, "a refused worker ran nothing"
+    [row] = jobs(engine)
+    assert (row.job_id, row.attempts) == (job_id, 0), "a refused worker ran nothing"
+    assert archived(engine) == []
 
 
 def test_install_signal_handlers_outside_the_main_thread_is_refused(engine: sa.Engine) -> None:

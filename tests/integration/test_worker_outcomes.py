@@ -313,6 +313,30 @@ def test_writes_through_job_session_commit_together_with_the_archive_row(
     assert done is not None and done.status == "success"
 
 
+def test_job_session_is_the_claims_own_transaction_holding_the_jobs_lock(
+    engine: sa.Engine,
+) -> None:
+    """job.session runs in the transaction that claimed the job, not beside it: it can take
+    the job row's lock at once (NOWAIT), which any other transaction would be refused while
+    the claim holds it. (SQLite has no row locks; there the statement just reads the row.)"""
+    job_id = enqueue_committed(engine, "locked", None)
+    seen: list[Any] = []
+    job_table = sp.Job.__table__
+
+    def handler(job: sp.JobContext) -> None:
+        query = (
+            sa.select(job_table.c.job_id)
+            .where(job_table.c.job_id == job.job_id)
+            .with_for_update(nowait=True)
+        )
+        seen.append(job.session.execute(query).scalar_one())
+
+    assert sp.process_next_job(engine, handler, handler_mode="advanced")
+    assert seen == [job_id]
+    done = archived_job(engine, job_id)
+    assert done is not None and (done.status, done.error) == ("success", None)
+
+
 def test_writes_through_job_session_roll_back_when_the_handler_raises(engine: sa.Engine) -> None:
     """The handler's writes vanish, while the retry and then the failure are recorded."""
     UserBase.metadata.create_all(engine)
@@ -388,6 +412,36 @@ def test_writes_committed_on_job_session_still_roll_back_when_the_handler_then_r
     assert sp.process_next_job(engine, handler, handler_mode="advanced")
     done = archived_job(engine, job_id)
     assert done is not None and done.status == "failure"
+    assert _notes(engine) == []
+
+
+def test_the_job_session_is_closed_for_good_once_the_outcome_is_recorded(
+    engine: sa.Engine,
+) -> None:
+    """A handler that keeps job.session cannot write through it after its job: a later job,
+    run by the same worker thread on the same connection, gets an error from it instead
+    of a write slipped into its own transaction."""
+    UserBase.metadata.create_all(engine)
+    first = enqueue_committed(engine, "keep", None)
+    second = enqueue_committed(engine, "reuse", None)
+    kept: list[Session] = []
+    errors: list[Exception] = []
+
+    def handler(job: sp.JobContext) -> None:
+        if job.job_type == "keep":
+            kept.append(job.session)
+            return
+        try:
+            kept[0].execute(sa.insert(Note).values(job_id=str(first), body="late write"))
+        except Exception as exc:
+            errors.append(exc)
+
+    worker = sp.create_queue_worker(engine, handler, handler_mode="advanced")
+    with running(worker):
+        assert wait_for(lambda: archived_job(engine, second) is not None)
+    [error] = errors
+    assert isinstance(error, sa.exc.InvalidRequestError)
+    assert "closed" in str(error)
     assert _notes(engine) == []
 
 

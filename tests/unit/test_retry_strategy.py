@@ -14,13 +14,14 @@ NOW = datetime(2024, 5, 17, 12, 0, tzinfo=UTC)
 
 
 # The original's table: (retries, delays in seconds), attempt -> (retries left, delay).
+# With no delays a retry is due at once (delay 0); None: no retry is left, so no delay.
 ORIGINAL_TABLE = [
     ((0, ()), 1, 0, None),
     ((1, ()), 1, 1, 0.0),
-    ((2, ()), 1, 2, None),
+    ((2, ()), 1, 2, 0.0),
     ((1, ()), 2, 0, None),
-    ((5, ()), 2, 4, None),
-    ((5, ()), 3, 3, None),
+    ((5, ()), 2, 4, 0.0),
+    ((5, ()), 3, 3, 0.0),
     ((1, []), 1, 1, 0.0),
     ((1, [1]), 1, 1, 1.0),
     ((2, [1]), 2, 1, 1.0),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 from typing import Any
@@ -141,3 +142,52 @@ def test_signal_handlers_asked_for_outside_the_main_thread_are_refused(
     assert len(errors) == 1
     assert isinstance(errors[0], sp.ConfigurationError)
     assert "main thread" in str(errors[0])
+
+
+def test_an_in_memory_sqlite_engine_is_refused_since_threads_would_not_share_it() -> None:
+    """``sqlite://`` gives each thread its own empty database: the worker says to use a file."""
+    memory = sa.create_engine("sqlite://")
+    try:
+        with pytest.raises(sp.ConfigurationError) as info:
+            sp.create_queue_worker(memory, handler)
+    finally:
+        memory.dispose()
+    assert "file database" in str(info.value)
+    assert "process_next_job" in str(info.value)
+
+
+def test_something_that_is_not_an_engine_is_refused(engine: sa.Engine) -> None:
+    with engine.connect() as conn, pytest.raises(sp.ConfigurationError, match="Engine"):
+        sp.create_queue_worker(conn, handler)  # type: ignore[arg-type]
+
+
+#: A server that is never contacted: building a worker must not connect.
+UNREACHABLE_POSTGRESQL = "postgresql+psycopg://nobody@127.0.0.1:1/never"
+
+
+def test_a_pool_that_cannot_give_one_thread_its_two_connections_is_refused() -> None:
+    """A claim and its crash-ledger connection: a pool of one can never serve a thread."""
+    small = sa.create_engine(UNREACHABLE_POSTGRESQL, pool_size=1, max_overflow=0)
+    try:
+        with pytest.raises(sp.ConfigurationError) as info:
+            sp.create_queue_worker(small, handler)
+        assert "pool_size + max_overflow >= 2" in str(info.value)
+        # Without the crash ledger a thread needs one connection, which the pool has.
+        worker = sp.create_queue_worker(small, handler, max_unclean_ends=None)
+        assert not worker.running
+    finally:
+        small.dispose()
+
+
+def test_a_pool_smaller_than_the_threads_need_is_accepted_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="sqla_proletarian")
+    small = sa.create_engine(UNREACHABLE_POSTGRESQL, pool_size=3, max_overflow=0)
+    try:
+        sp.create_queue_worker(small, handler, worker_threads=2)
+    finally:
+        small.dispose()
+    [warning] = [r for r in caplog.records if getattr(r, "event", None) == "pool-too-small"]
+    assert (warning.pool_capacity, warning.worker_threads) == (3, 2)
+    assert "pool_size + max_overflow >= 4" in warning.hint
