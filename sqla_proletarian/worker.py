@@ -42,7 +42,15 @@ DEFAULT_MAX_UNCLEAN_ENDS = 3
 #: Longest pause between attempts to poll while the database is unreachable.
 MAX_TRANSIENT_BACKOFF = 5.0
 
+#: The first pause after a transient error; each further one doubles, up to the maximum.
+MIN_TRANSIENT_BACKOFF = 0.05
+
 PollingErrorHandler = Callable[[Exception], object]
+
+
+def next_backoff(previous: float) -> float:
+    """The pause after a transient error, given the previous one (0 after a success)."""
+    return min(MAX_TRANSIENT_BACKOFF, max(MIN_TRANSIENT_BACKOFF, previous * 2))
 
 
 def _stop_on_polling_error(exc: Exception) -> bool:
@@ -259,7 +267,7 @@ class QueueWorker:
                         connections.close()
                         connections = None
                     if is_transient(exc):
-                        backoff = min(MAX_TRANSIENT_BACKOFF, max(0.05, backoff * 2))
+                        backoff = next_backoff(backoff)
                         log_event(
                             logging.WARNING,
                             "transient-polling-error",
