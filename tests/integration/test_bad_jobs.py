@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from helpers import enqueue_committed as enqueue
 from sqlalchemy.orm import Session
 
 import sqla_proletarian as sp
@@ -38,13 +39,6 @@ def running_worker(
         yield worker
     finally:
         worker.stop()
-
-
-def enqueue(engine: sa.Engine, job_type: str, payload: Any = None) -> uuid.UUID:
-    with Session(engine) as session:
-        job_id = sp.enqueue(session, job_type, payload)
-        session.commit()
-    return job_id
 
 
 def wait_archived(engine: sa.Engine, *job_ids: uuid.UUID) -> dict[uuid.UUID, sp.ArchivedJob]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.orm import Session
+from helpers import enqueue_committed as enqueue
 
 import sqla_proletarian as sp
 from sqla_proletarian import statements
@@ -72,13 +72,6 @@ def workers(database: Any, tmp_path: Path) -> Iterator[Workers]:
         yield started
     finally:
         started.kill_all()
-
-
-def enqueue(engine: sa.Engine, job_type: str, payload: Any = None) -> uuid.UUID:
-    with Session(engine) as session:
-        job_id = sp.enqueue(session, job_type, payload)
-        session.commit()
-    return job_id
 
 
 def rows(engine: sa.Engine, table: sa.Table) -> list[Any]:
