@@ -22,7 +22,9 @@ class PayloadSerializationError(InvalidJobError):
 
     def __init__(self, message: str, payload: Any = None) -> None:
         self.payload = payload
-        super().__init__("payload", message)
+        self.field = "payload"
+        # The message names the place in the payload itself ("payload['a'][0] is ...").
+        Exception.__init__(self, message)
 
 
 class PayloadDeserializationError(ProletarianError):

@@ -43,6 +43,8 @@ class JsonSerializer:
             raise PayloadSerializationError(
                 "payload is nested too deeply to store as JSON; flatten it", None
             ) from None
+        except PayloadSerializationError:
+            raise
         except ValueError as exc:
             # int -> str conversion refuses very long ints (sys.get_int_max_str_digits()).
             raise PayloadSerializationError(

@@ -133,7 +133,9 @@ def test_payloads_that_would_not_come_back_equal_are_refused(
     with pytest.raises(sp.PayloadSerializationError) as info:
         SERIALIZER.dumps(payload)
     message = str(info.value)
-    assert message.startswith("payload: ")
+    assert message.startswith("payload"), "the message names the place in the payload"
+    assert "long numbers" not in message, "the refusal is not re-wrapped as another one"
+    assert info.value.field == "payload"
     for word in words:
         assert word in message
 
