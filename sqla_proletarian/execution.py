@@ -110,6 +110,9 @@ class JobRunner:
         self._connect_lock = threading.Lock()
         self._claim_lock = threading.Lock()
         self._host = f"{socket.gethostname()}:{os.getpid()}"
+        #: Whether runs are recorded (the crash ledger), and on a connection of their own.
+        self._tracked = settings.max_unclean_ends is not None
+        self._separate_ledger = self._tracked and self.backend.separate_run_connection
 
     def now(self) -> datetime:
         return check_aware("clock()", self.settings.clock())
@@ -117,8 +120,7 @@ class JobRunner:
     @property
     def connections_per_thread(self) -> int:
         """Connections a claiming thread holds: its claim's, plus the run ledger's."""
-        ledger = self.settings.max_unclean_ends is not None and self.backend.separate_run_connection
-        return 2 if ledger else 1
+        return 2 if self._separate_ledger else 1
 
     def open_connections(self) -> WorkerConnections:
         """The connections a thread claims with; hold them across jobs, close on errors."""
@@ -128,7 +130,7 @@ class JobRunner:
         with self._connect_lock, stack:
             conn = stack.enter_context(self.backend.worker_connection(self.engine))
             ledger = None
-            if self.settings.max_unclean_ends is not None and self.backend.separate_run_connection:
+            if self._separate_ledger:
                 ledger = stack.enter_context(self.backend.run_ledger_connection(self.engine))
             idle_timeout = self.backend.idle_timeout(conn)
             return WorkerConnections(conn, ledger, stack.pop_all(), idle_timeout)
@@ -158,14 +160,13 @@ class JobRunner:
         conn.begin()
         try:
             self.backend.begin_claim(conn)
-            tracked = self.settings.max_unclean_ends is not None
             log_event(
                 logging.DEBUG,
                 "polling-for-jobs",
                 worker_id=self.settings.worker_id,
                 queue=self.settings.queue,
             )
-            claim = sql.poll(self.settings.queue, self.now(), with_runs=tracked)
+            claim = sql.poll(self.settings.queue, self.now(), with_runs=self._tracked)
             row = conn.execute(*claim).mappings().first()
             if row is None:
                 conn.commit()
@@ -238,7 +239,7 @@ class JobRunner:
         Every run leaves a record; a failed run's record stays beside the attempt it
         counted, so the records beyond ``attempts`` are the runs that ended uncleanly.
         """
-        if self.settings.max_unclean_ends is None:
+        if not self._tracked:
             return _Run(None, 0)
         unclean_ends = max(0, job.pop("runs") - job["attempts"])
         run_id = uuid.uuid4()
@@ -400,7 +401,7 @@ class JobRunner:
                 hint="the archive already holds a job with this id (enqueued again with the "
                 "same job_id); the earlier row is kept and this job leaves the queue",
             )
-        if self.settings.max_unclean_ends is None:
+        if not self._tracked:
             conn.execute(*sql.delete_job(job["job_id"]))
         elif self.backend.deletes_runs_with_job:
             conn.execute(*sql.delete_job_and_runs(job["job_id"]))
