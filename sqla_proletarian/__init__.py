@@ -1,6 +1,6 @@
 """sqla-proletarian: a durable, transactional job queue for SQLAlchemy applications."""
 
-from sqla_proletarian.enqueue import enqueue, utc_now, uuid4, uuid7
+from sqla_proletarian.enqueue import enqueue
 from sqla_proletarian.errors import (
     ConfigurationError,
     InvalidJobError,
@@ -23,6 +23,7 @@ from sqla_proletarian.models import (
 )
 from sqla_proletarian.retry import RetryStrategy
 from sqla_proletarian.serialization import JsonSerializer, Serializer
+from sqla_proletarian.values import utc_now, uuid4, uuid7
 from sqla_proletarian.worker import (
     QueueWorker,
     WorkerOptions,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from sqlalchemy import exc as sa_exc
+
 
 class ProletarianError(Exception):
     """Base class of every error sqla-proletarian raises."""
@@ -74,3 +76,178 @@ class JobCrashedError(ProletarianError):
             "archived as failed instead of being run again. Fix the handler, then enqueue "
             "the job again; raise max_unclean_ends to allow more such runs."
         )
+
+
+class JobTransactionLostError(ProletarianError):
+    """The job's transaction ended before its outcome was recorded (the server rolled it back
+    or the connection was lost); nothing was recorded and the job runs again."""
+
+
+# --- classifying driver errors ------------------------------------------------------------
+# One place for every driver: PostgreSQL drivers report a SQLSTATE (psycopg 3 and asyncpg
+# as ``sqlstate``, psycopg2 as ``pgcode``); MySQL-family drivers an error number (PyMySQL
+# and mysqlclient in ``args[0]``, MariaDB Connector and mysql-connector as ``errno``).
+
+#: Modules of the drivers whose raw exceptions can escape SQLAlchemy's wrapping.
+_DRIVER_MODULES = ("psycopg", "psycopg2", "asyncpg", "pymysql", "MySQLdb", "mariadb", "sqlite3")
+_MYSQL_MODULES = ("pymysql", "MySQLdb", "mariadb", "mysql.connector", "_mysql_connector")
+
+#: PostgreSQL SQLSTATEs after which the same work can succeed later: serialization failure,
+#: deadlock, lock not available, statement timeout or cancel, read-only transaction (a
+#: standby during failover), shutdowns, idle-in-transaction timeout. Classes 08
+#: (connection) and 53 (insufficient resources: too many connections, out of memory) too.
+PG_TRANSIENT_SQLSTATES = frozenset(
+    {"40001", "40P01", "55P03", "57014", "25006", "57P01", "57P02", "57P03", "25P03"}
+)
+PG_TRANSIENT_CLASSES = frozenset({"08", "53"})
+#: Of those, the ones where the server rolled back and kept the connection.
+PG_LOCK_CONFLICT_SQLSTATES = frozenset({"40001", "40P01", "55P03"})
+
+#: MySQL/MariaDB error numbers of the same kind: lock wait timeout, deadlock, too many
+#: connections (1040, 1203, 1226), read-only server (1290, 1836, 1792), statement timeouts
+#: (3024 MySQL, 1969 MariaDB), query interrupted (1317), server shutdown (1053), node not
+#: ready (1047, Galera), connection killed (1927), idle timeout (4031), network errors
+#: (1158-1161), and the client's lost or refused connections (2002, 2003, 2006, 2013, 2055).
+MYSQL_TRANSIENT_ERRNOS = frozenset(
+    {1205, 1213, 1040, 1203, 1226, 1290, 1836, 1792, 3024, 1969, 1317, 1053, 1047, 1927}
+    | {4031, 1158, 1159, 1160, 1161, 2002, 2003, 2006, 2013, 2055}
+)
+MYSQL_LOCK_CONFLICT_ERRNOS = frozenset({1205, 1213})
+
+
+def driver_error(exc: BaseException) -> BaseException | None:
+    """The driver's own exception behind ``exc`` (SQLAlchemy does not wrap every call)."""
+    if isinstance(exc, sa_exc.DBAPIError):
+        return exc.orig
+    if type(exc).__module__.startswith(_DRIVER_MODULES):
+        return exc
+    return None
+
+
+def sqlstate(orig: BaseException) -> str | None:
+    """A PostgreSQL driver error's SQLSTATE (psycopg 3, asyncpg: ``sqlstate``; psycopg2:
+    ``pgcode``); None for other drivers (MySQL's own SQLSTATEs are too coarse to use)."""
+    if type(orig).__module__.startswith(_MYSQL_MODULES):
+        return None
+    for attribute in ("sqlstate", "pgcode"):
+        value = getattr(orig, attribute, None)
+        if isinstance(value, str) and len(value) == 5:
+            return value
+    return None
+
+
+def mysql_errno(orig: BaseException) -> int | None:
+    """A MySQL-family driver error's number (``errno``, or ``args[0]``); None otherwise."""
+    errno = getattr(orig, "errno", None)
+    if isinstance(errno, int) and not isinstance(errno, bool) and errno > 0:
+        return errno
+    args: tuple[Any, ...] = getattr(orig, "args", ())
+    if args and isinstance(args[0], int) and not isinstance(args[0], bool):
+        return args[0]
+    return None
+
+
+def is_lock_conflict(exc: BaseException) -> bool:
+    """A deadlock, serialization failure or lock wait timeout: the connection lives."""
+    orig = driver_error(exc)
+    if orig is None:
+        return False
+    return (
+        sqlstate(orig) in PG_LOCK_CONFLICT_SQLSTATES
+        or mysql_errno(orig) in MYSQL_LOCK_CONFLICT_ERRNOS
+    )
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a database error is worth retrying after a pause (lost connection, deadlock,
+    failover, too many connections...)."""
+    if isinstance(exc, sa_exc.TimeoutError | sa_exc.PendingRollbackError):
+        # A pool with no free connection; a transaction left broken by an earlier error
+        # (the thread's connections are replaced before the next poll).
+        return True
+    if isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated:
+        return True
+    orig = driver_error(exc)
+    if orig is None:
+        return False
+    state = sqlstate(orig)
+    if state is not None:
+        return state in PG_TRANSIENT_SQLSTATES or state[:2] in PG_TRANSIENT_CLASSES
+    if mysql_errno(orig) in MYSQL_TRANSIENT_ERRNOS:
+        return True
+    module = type(orig).__module__
+    if module.startswith("sqlite3"):
+        message = str(orig).lower()
+        return "locked" in message or "busy" in message
+    # psycopg and psycopg2 report a broken connection as an OperationalError with no code.
+    return type(orig).__name__ == "OperationalError" and module.startswith(("psycopg", "asyncpg"))
+
+
+def connection_loss_hint(
+    exc: BaseException, ran_for: float = 0.0, idle_timeout: float | None = None
+) -> str:
+    """What to change when a job's transaction was cut off by the server or the network.
+
+    ``idle_timeout`` is the server's idle-transaction limit in seconds, where it has one the
+    error does not name (MariaDB just drops the connection).
+    """
+    if idle_timeout and ran_for >= idle_timeout:
+        return (
+            f"the job ran {ran_for:.1f} s, longer than the server's idle transaction timeout "
+            f"({idle_timeout:g} s: MariaDB's idle_transaction_timeout or "
+            "idle_write_transaction_timeout), so the server closed the worker's session; the "
+            "job will run again. Raise that timeout for the worker's sessions or make the job "
+            "shorter"
+        )
+    orig = driver_error(exc)
+    state = sqlstate(orig) if orig is not None else None
+    message = str(orig if orig is not None else exc).lower()
+    if state == "25P03" or "idle-in-transaction" in message or "idle_in_transaction" in message:
+        return (
+            "the job's transaction sat idle longer than PostgreSQL's "
+            "idle_in_transaction_session_timeout, so the server ended the worker's session; "
+            "the job will run again. Raise the timeout for the worker's role "
+            "(ALTER ROLE <worker> SET idle_in_transaction_session_timeout = '<longer>') or "
+            "make the job shorter"
+        )
+    if "idle_transaction_timeout" in message or "idle_write_transaction_timeout" in message:
+        return (
+            "the job's transaction sat idle longer than MariaDB's idle_transaction_timeout; "
+            "the job will run again. Raise it for the worker's sessions or make the job shorter"
+        )
+    if state == "57014" or "statement timeout" in message:
+        return (
+            "a statement ran longer than statement_timeout; raise it for the worker's role "
+            "or make the statement faster"
+        )
+    return (
+        "the database connection was lost while the job ran (server restart, network, or the "
+        "connection was terminated); the job's transaction rolled back and it will run again"
+    )
+
+
+def polling_error_hint(exc: BaseException) -> str | None:
+    """A hint for polling errors a user can fix, such as tables that were never created."""
+    message = str(getattr(exc, "orig", exc)).lower()
+    if any(t in message for t in ("does not exist", "doesn't exist", "no such table")):
+        return (
+            "the job tables are missing or not visible: install them with the migrations "
+            "(README, 'Migrations') or sqla_proletarian.metadata.create_all(engine)"
+        )
+    if "permission denied" in message or "command denied" in message:
+        return "the worker's database role lacks a grant: see docs/privileges.md"
+    return None
+
+
+def transient_hint(exc: BaseException) -> str | None:
+    """A hint for transient errors that a setting can cure."""
+    if isinstance(exc, sa_exc.TimeoutError):
+        return (
+            "no connection was free in the engine's pool: each worker thread holds two "
+            "(its claim and its run records; one on SQLite), so give the engine "
+            "pool_size + max_overflow >= 2 * worker_threads plus what the app uses"
+        )
+    orig = driver_error(exc)
+    if orig is not None and (mysql_errno(orig) in (1040, 1203) or sqlstate(orig) == "53300"):
+        return "the server refused a connection (too many connections); the worker waits"
+    return None

@@ -17,23 +17,32 @@ from datetime import datetime
 from typing import Any, Literal
 
 from sqlalchemy import Connection, Engine
-from sqlalchemy.orm import Session
+from sqlalchemy import exc as sa_exc
 
+from sqla_proletarian import ledger
 from sqla_proletarian import statements as sql
-from sqla_proletarian.enqueue import Clock, check_aware
+from sqla_proletarian.dialects import dialect_of
 from sqla_proletarian.errors import (
     JobCrashedError,
+    JobTransactionLostError,
     PayloadDeserializationError,
     ProletarianError,
+    connection_loss_hint,
+    driver_error,
+    is_lock_conflict,
+    is_transient,
 )
 from sqla_proletarian.handlers import JobContext, JobSession
+from sqla_proletarian.ledger import RunRecord
 from sqla_proletarian.logs import log_event
 from sqla_proletarian.retry import RetryStrategy, as_retry_strategy
 from sqla_proletarian.serialization import Serializer
+from sqla_proletarian.values import Clock, check_aware
 
 Outcome = Literal["succeeded", "retried", "failed"]
 RetryStrategyFn = Callable[[JobContext, Exception], RetryStrategy | None]
 FailedJobHandler = Callable[[JobContext, Exception], object]
+Failure = tuple[JobContext, Exception]
 
 #: Longest error text kept in the archive.
 MAX_ERROR_TEXT = 4000
@@ -56,13 +65,23 @@ class RunSettings:
 
 @dataclass
 class WorkerConnections:
-    """A thread's claim connection and run-ledger connection, released together."""
+    """A thread's claim connection and run-record connection, released together.
+
+    ``record`` is the thread's run record (see ``ledger``); ``owner`` vouches for it while
+    the ledger connection lives.
+    """
 
     conn: Connection
     ledger: Connection | None
+    record: RunRecord | None
     _stack: ExitStack
     #: The server's idle-transaction limit where its errors do not name it (for log hints).
     idle_timeout: float | None = None
+
+    @property
+    def records_on(self) -> Connection:
+        """The connection run records are written on."""
+        return self.ledger if self.ledger is not None else self.conn
 
     def close(self) -> None:
         try:
@@ -78,9 +97,15 @@ class WorkerConnections:
 
 
 @dataclass
-class _Run:
-    run_id: uuid.UUID | None
+class _Claim:
+    """A claimed job and what is known of its earlier runs."""
+
+    job: dict[str, Any]
     unclean_ends: int
+    #: The claim's run record, once written.
+    run_id: uuid.UUID | None = None
+    #: "claimed" until the handler starts, then "running".
+    phase: Literal["claimed", "running"] = "claimed"
     started: float = field(default_factory=time.monotonic)
 
 
@@ -95,24 +120,39 @@ def describe(exc: BaseException) -> str:
 
 
 class JobRunner:
-    """Claims and runs jobs one transaction at a time. Thread-safe; shared by worker threads."""
+    """Claims and runs jobs one transaction at a time. Thread-safe; shared by worker threads.
+
+    ``stopping`` says whether the worker is stopping: once it does, no handler starts.
+    """
 
     def __init__(
         self,
         engine: Engine,
         settings: RunSettings,
         on_outcome: Callable[[Outcome], None] | None = None,
+        stopping: Callable[[], bool] | None = None,
     ) -> None:
         self.engine = engine
         self.settings = settings
-        self.backend = sql.backend_for(engine)
+        self.dialect = dialect_of(engine)
         self._on_outcome = on_outcome
+        self._stopping = stopping or (lambda: False)
         self._connect_lock = threading.Lock()
         self._claim_lock = threading.Lock()
         self._host = f"{socket.gethostname()}:{os.getpid()}"
         #: Whether runs are recorded (the crash ledger), and on a connection of their own.
         self._tracked = settings.max_unclean_ends is not None
-        self._separate_ledger = self._tracked and self.backend.separate_run_connection
+        self._separate_ledger = self._tracked and self.dialect.separate_ledger
+        #: SQLite: one owner for the whole runner, this process.
+        self._process_owner: str | None = None
+        if self._tracked and self.dialect.owner_lock == "process":
+            self._process_owner = ledger.new_owner("process")
+            ledger.hold("process", self._process_owner, None)
+        #: Run records this worker gave up but could not remove yet; retried before claims.
+        self._orphans: list[uuid.UUID] = []
+        self._orphans_lock = threading.Lock()
+        #: The connections of threads whose handler is running, by thread id.
+        self._in_flight: dict[int, WorkerConnections] = {}
 
     def now(self) -> datetime:
         return check_aware("clock()", self.settings.clock())
@@ -128,142 +168,300 @@ class JobRunner:
         # Take both connections together, one thread at a time, so that threads sharing a
         # small pool wait for it instead of each holding one and waiting forever.
         with self._connect_lock, stack:
-            conn = stack.enter_context(self.backend.worker_connection(self.engine))
-            ledger = None
+            conn = stack.enter_context(self.dialect.claim_connection(self.engine))
+            ledger_conn = None
+            owner = self._process_owner
             if self._separate_ledger:
-                ledger = stack.enter_context(self.backend.run_ledger_connection(self.engine))
-            idle_timeout = self.backend.idle_timeout(conn)
-            return WorkerConnections(conn, ledger, stack.pop_all(), idle_timeout)
+                ledger_conn = stack.enter_context(self.dialect.ledger_connection(self.engine))
+                owner = ledger.new_owner(self.dialect.owner_lock)
+                ledger.hold(self.dialect.owner_lock, owner, ledger_conn)
+                stack.callback(ledger.release, self.dialect.owner_lock, owner, ledger_conn)
+            idle_timeout = self.dialect.idle_timeout(conn)
+            record = None
+            if self._tracked:
+                worker = f"{self.settings.worker_id}@{self._host}/{threading.current_thread().name}"
+                record = RunRecord(self.dialect, owner, worker, self.now)
+            return WorkerConnections(conn, ledger_conn, record, stack.pop_all(), idle_timeout)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def close(self) -> None:
+        """The worker has stopped and none of its handlers runs: stop vouching for records."""
+        if self._process_owner is not None and not self._in_flight:
+            ledger.release("process", self._process_owner, None)
 
     def process_one(self, connections: WorkerConnections | None = None) -> bool:
         """Claim and run at most one job; True if a job was claimed."""
         if connections is not None:
             return self._claim_one(connections)
-        with self.open_connections() as opened:
-            return self._claim_one(opened)
+        try:
+            with self.open_connections() as opened:
+                return self._claim_one(opened)
+        finally:
+            self.close()
 
     def _claim_one(self, connections: WorkerConnections) -> bool:
-        if not self.backend.claim_takes_write_lock:
+        if self._orphans:
+            self._clear_orphans(connections)
+        if not self.dialect.claim_takes_write_lock:
             return self._process(connections)
         # SQLite runs one job at a time per file anyway; taking turns inside the process
         # also keeps a thread from claiming a job between another's run record and its
-        # re-claim (which would count an unclean end that never happened).
+        # re-claim.
         with self._claim_lock:
             return self._process(connections)
+
+    def abandon_in_flight(self) -> None:
+        """Remove the run records of handlers still running when the worker gives up on them
+        (shutdown timeout), so the process's exit is not charged to their jobs.
+
+        The jobs' transactions are untouched: they roll back when the process exits, and the
+        jobs run again. SQLite cannot do this while the running job holds its write lock.
+        """
+        if not self._separate_ledger:
+            return
+        records = [c.record for c in list(self._in_flight.values()) if c.record is not None]
+        run_ids = [r.run_id for r in records if r.run_id is not None]
+        if not run_ids:
+            return
+        try:
+            with self.dialect.ledger_connection(self.engine) as conn:
+                for run_id in run_ids:
+                    conn.execute(*sql.end_run(run_id))
+        except Exception as exc:
+            log_event(logging.WARNING, "run-record-cleanup-error", error=repr(exc))
+            return
+        log_event(
+            logging.INFO,
+            "runs-abandoned",
+            worker_id=self.settings.worker_id,
+            runs=len(run_ids),
+            hint="their jobs roll back when the process exits and run again, without an "
+            "unclean end",
+        )
 
     # --- one claim ------------------------------------------------------------------------
 
     def _process(self, connections: WorkerConnections) -> bool:
-        conn, ledger = connections.conn, connections.ledger
-        run: _Run | None = None
-        conn.begin()
+        if self._stopping():
+            return False
+        conn = connections.conn
+        claim: _Claim | None = None
+        thread = threading.get_ident()
+        self.dialect.begin_claim(conn)
         try:
-            self.backend.begin_claim(conn)
-            log_event(
-                logging.DEBUG,
-                "polling-for-jobs",
-                worker_id=self.settings.worker_id,
-                queue=self.settings.queue,
-            )
-            claim = sql.poll(self.settings.queue, self.now(), with_runs=self._tracked)
-            row = conn.execute(*claim).mappings().first()
-            if row is None:
+            claim = self._claim(connections)
+            if claim is None:
                 conn.commit()
                 return False
-            job = dict(row)
-            run = self._start_run(conn, ledger, job)
-            if run is None:
-                conn.commit()
-                return True
-            outcome, failure = self._run(conn, job, run)
+            if not self._begin_run(connections, claim) or self._stopping():
+                # The job was taken meanwhile (SQLite), or stop() was called: no handler
+                # starts after stop().
+                self._give_up(connections)
+                return False
+            self._in_flight[thread] = connections
+            claim.phase = "running"
+            outcome, failure = self._run(conn, claim)
             conn.commit()
+            if connections.record is not None:
+                connections.record.ended()
         except BaseException as exc:
-            _rollback_quietly(conn)
-            if run is not None:
-                self._interrupted(connections, job, run, exc)
+            if claim is None:
+                _rollback_quietly(conn)
+                raise
+            if claim.phase == "claimed":
+                # Nothing ran yet: give the job back and report the error as a polling error.
+                self._give_up(connections)
+                raise
+            if self._interrupted(connections, claim, exc):
+                return True
             raise
-        self._finished(job, outcome, failure)
+        finally:
+            self._in_flight.pop(thread, None)
+        self._finished(claim.job, outcome, failure)
         return True
 
-    def _interrupted(
-        self, connections: WorkerConnections, job: dict[str, Any], run: _Run, exc: BaseException
-    ) -> None:
-        """A claimed job's transaction ended without its outcome: say why, and whether the
-        run counts as an unclean end."""
-        ledger = connections.ledger or connections.conn
-        if isinstance(exc, KeyboardInterrupt):
-            # Interrupted by the operator: the job is left untouched, and its run is not an
-            # unclean end. A SystemExit or other BaseException from the handler keeps its
-            # record, so a job that always exits its worker cannot loop forever.
-            if run.run_id is not None:
-                self._forget_run(ledger, run.run_id)
-            return
-        if not isinstance(exc, Exception):
-            return
-        if sql.is_lock_conflict(exc) and not connections.conn.invalidated:
-            log_event(
-                logging.WARNING,
-                "job-outcome-rolled-back",
-                **self._fields(job),
-                error=repr(exc),
-                hint="a deadlock or lock wait timeout rolled back the job's transaction "
-                "while its outcome was recorded; the job will run again",
-            )
-            if run.run_id is not None:
-                self._forget_run(ledger, run.run_id)
-            return
+    def _claim(self, connections: WorkerConnections) -> _Claim | None:
+        """Lock the next due job, if any, and count its runs that ended with their worker."""
+        conn = connections.conn
         log_event(
-            logging.ERROR,
-            "job-connection-lost",
-            **self._fields(job),
-            error=repr(exc),
-            hint=sql.connection_loss_hint(
-                exc, time.monotonic() - run.started, connections.idle_timeout
-            ),
+            logging.DEBUG,
+            "polling-for-jobs",
+            worker_id=self.settings.worker_id,
+            queue=self.settings.queue,
         )
+        claim = sql.poll(self.settings.queue, self.now(), with_runs=self._tracked)
+        row = conn.execute(*claim).mappings().first()
+        if row is None:
+            return None
+        job = dict(row)
+        records = job.pop("runs", 0)
+        unclean = ledger.unclean_ends(self.dialect, conn, job["job_id"], records)
+        return _Claim(job, unclean)
 
-    def _forget_run(self, conn: Connection, run_id: uuid.UUID) -> None:
+    def _begin_run(self, connections: WorkerConnections, claim: _Claim) -> bool:
+        """Record the run before the handler starts; False if the job was lost meanwhile."""
+        record = connections.record
+        if record is None:
+            return True
+        if connections.ledger is not None:
+            record.begin(connections.ledger, claim.job["job_id"])
+            claim.run_id = record.run_id
+            return True
+        # One connection (SQLite): commit the record, then take the job again.
+        conn = connections.conn
+        record.begin(conn, claim.job["job_id"])
+        claim.run_id = record.run_id
+        conn.commit()
+        self.dialect.begin_claim(conn)
+        again = conn.execute(*sql.relock(claim.job["job_id"])).mappings().first()
+        if again is None:
+            return False
+        claim.job.update(again)
+        return True
+
+    def _give_up(self, connections: WorkerConnections) -> None:
+        """End a claim without an outcome, removing its run record while the job's row lock
+        is still held where the record has a connection of its own."""
+        if connections.ledger is not None:
+            self._forget(connections)
+            _rollback_quietly(connections.conn)
+            return
+        _rollback_quietly(connections.conn)
+        self._forget(connections)
+
+    def _forget(self, connections: WorkerConnections) -> None:
+        """Remove the thread's run record: on its own connection, else on a fresh one, else
+        later (until then its live owner keeps it from counting)."""
+        record = connections.record
+        if record is None or record.run_id is None:
+            return
+        on = connections.records_on
+        if not on.invalidated and record.forget(on):
+            return
+        if self._separate_ledger:
+            try:
+                with self.dialect.ledger_connection(self.engine) as fresh:
+                    if record.forget(fresh):
+                        return
+            except Exception as exc:
+                log_event(logging.DEBUG, "run-record-cleanup-error", error=repr(exc))
+        if record.run_id is not None:
+            with self._orphans_lock:
+                self._orphans.append(record.run_id)
+            record.ended()
+
+    def _clear_orphans(self, connections: WorkerConnections) -> None:
+        with self._orphans_lock:
+            orphans, self._orphans = self._orphans, []
+        conn = connections.records_on
         try:
-            conn.execute(*sql.end_run(run_id))
+            for run_id in orphans:
+                conn.execute(*sql.end_run(run_id))
             if conn.in_transaction():
                 conn.commit()
-        except Exception as exc:
-            log_event(logging.WARNING, "run-record-cleanup-error", error=repr(exc))
+        except Exception:
+            _rollback_quietly(conn)
+            with self._orphans_lock:
+                self._orphans.extend(orphans)
+            raise
 
-    def _start_run(
-        self, conn: Connection, ledger: Connection | None, job: dict[str, Any]
-    ) -> _Run | None:
-        """Record the run before the handler starts; None if the job was lost meanwhile.
+    def _interrupted(
+        self, connections: WorkerConnections, claim: _Claim, exc: BaseException
+    ) -> bool:
+        """A running job's transaction ended without its outcome: say why, clean up, and
+        whether the worker goes on (True) or the exception propagates (False)."""
+        conn = connections.conn
+        fields = self._fields(claim.job)
+        if isinstance(exc, KeyboardInterrupt):
+            # Interrupted by the operator: the job is left untouched, and its run is not an
+            # unclean end.
+            self._give_up(connections)
+            return False
+        if not isinstance(exc, Exception):
+            # SystemExit or another BaseException from the handler: the record stays and
+            # counts once this worker is gone, so a job that always exits cannot loop.
+            _rollback_quietly(conn)
+            return False
+        lost_lock = isinstance(exc, JobTransactionLostError) or is_lock_conflict(exc)
+        if lost_lock and not conn.invalidated:
+            log_event(
+                logging.WARNING,
+                "job-transaction-lost",
+                **fields,
+                error=repr(exc),
+                hint="a deadlock or lock wait timeout rolled back the job's transaction, or "
+                "its row lock was lost; nothing was recorded and the job will run again",
+            )
+            self._give_up(connections)
+            return True
+        if conn.invalidated or is_transient(exc):
+            log_event(
+                logging.ERROR,
+                "job-connection-lost",
+                **fields,
+                error=repr(exc),
+                hint=connection_loss_hint(
+                    exc, time.monotonic() - claim.started, connections.idle_timeout
+                ),
+            )
+            self._give_up(connections)
+            return False
+        if driver_error(exc) is not None and not isinstance(exc, sa_exc.DataError):
+            # The database refused the worker itself (a missing grant or table): not the
+            # job's fault. The job goes back; the error is the worker's polling error.
+            self._give_up(connections)
+            return False
+        # The outcome itself could not be written (a retry time no column can hold...):
+        # record that as the job's failure in a transaction of its own, and go on.
+        log_event(logging.ERROR, "outcome-recording-error", **fields, error=repr(exc))
+        _rollback_quietly(conn)
+        self._fail_again(connections, claim, exc)
+        return True
 
-        Every run leaves a record; a failed run's record stays beside the attempt it
-        counted, so the records beyond ``attempts`` are the runs that ended uncleanly.
-        """
-        if not self._tracked:
-            return _Run(None, 0)
-        unclean_ends = max(0, job.pop("runs") - job["attempts"])
-        run_id = uuid.uuid4()
-        worker = f"{self.settings.worker_id}@{self._host}/{threading.current_thread().name}"
-        record = sql.start_run(run_id, job["job_id"], worker[:255], self.now())
-        if ledger is not None:
-            ledger.execute(*record)
-            return _Run(run_id, unclean_ends)
-        # One connection (SQLite): commit the record, then take the job again.
-        conn.execute(*record)
-        conn.commit()
-        conn.begin()
-        self.backend.begin_claim(conn)
-        again = conn.execute(*sql.reselect(job["job_id"])).mappings().first()
-        if again is None:
-            conn.execute(*sql.end_run(run_id))
-            return None
-        job.update(again)
-        return _Run(run_id, unclean_ends)
+    def _fail_again(self, connections: WorkerConnections, claim: _Claim, exc: Exception) -> None:
+        """Archive a job as failed because its outcome could not be written; if another
+        worker holds it by now, leave it to run again."""
+        conn = connections.conn
+        error = ProletarianError(f"the job's outcome could not be recorded: {exc!r}")
+        session = JobSession(conn)
+        try:
+            self.dialect.begin_claim(conn)
+            again = conn.execute(*sql.relock(claim.job["job_id"])).mappings().first()
+            if again is None:
+                conn.rollback()
+                self._forget(connections)
+                return
+            claim.job.update(again)
+            attempts = claim.job["attempts"] + claim.unclean_ends + 1
+            self._archive(conn, claim.job, "failure", attempts, describe(error))
+            conn.commit()
+        except Exception:
+            _rollback_quietly(conn)
+            self._forget(connections)
+            raise
+        finally:
+            _close_quietly(session)
+        if connections.record is not None:
+            connections.record.ended()
+        self._finished(claim.job, "failed", (self._context(claim.job, None, session), error))
 
-    def _run(
-        self, conn: Connection, job: dict[str, Any], run: _Run
-    ) -> tuple[Outcome, tuple[JobContext, Exception] | None]:
+    # --- the handler and its outcome --------------------------------------------------------
+
+    def _context(self, job: dict[str, Any], payload: Any, session: JobSession) -> JobContext:
+        return JobContext(
+            job_id=job["job_id"],
+            queue=job["queue"],
+            job_type=job["job_type"],
+            payload=payload,
+            attempts=job["attempts"] + 1,
+            enqueued_at=job["enqueued_at"],
+            process_at=job["process_at"],
+            session=session,
+        )
+
+    def _run(self, conn: Connection, claim: _Claim) -> tuple[Outcome, Failure | None]:
         """Run the handler and write the outcome into the claim's transaction."""
+        job = claim.job
         fields = self._fields(job)
         session = JobSession(conn)
         try:
@@ -273,26 +471,17 @@ class JobRunner:
             except Exception as exc:
                 payload = job["payload"]
                 decode_error = PayloadDeserializationError(job["job_id"], str(exc))
-            context = JobContext(
-                job_id=job["job_id"],
-                queue=job["queue"],
-                job_type=job["job_type"],
-                payload=payload,
-                attempts=job["attempts"] + 1,
-                enqueued_at=job["enqueued_at"],
-                process_at=job["process_at"],
-                session=session,
-            )
+            context = self._context(job, payload, session)
             limit = self.settings.max_unclean_ends
             # The archive's attempts count every run, those that ended uncleanly included.
-            runs = job["attempts"] + run.unclean_ends + 1
-            if limit is not None and run.unclean_ends >= limit:
-                crashed = JobCrashedError(job["job_id"], run.unclean_ends)
-                log_event(logging.ERROR, "job-crashed", **fields, unclean_ends=run.unclean_ends)
+            runs = job["attempts"] + claim.unclean_ends + 1
+            if limit is not None and claim.unclean_ends >= limit:
+                crashed = JobCrashedError(job["job_id"], claim.unclean_ends)
+                log_event(logging.ERROR, "job-crashed", **fields, unclean_ends=claim.unclean_ends)
                 return self._fail(conn, job, context, crashed, runs - 1)
-            if run.unclean_ends:
+            if claim.unclean_ends:
                 log_event(
-                    logging.WARNING, "job-interrupted", **fields, unclean_ends=run.unclean_ends
+                    logging.WARNING, "job-interrupted", **fields, unclean_ends=claim.unclean_ends
                 )
             log_event(logging.DEBUG, "handling-job", **fields)
             try:
@@ -300,19 +489,22 @@ class JobRunner:
                     raise decode_error
                 self._call_handler(context)
                 session.finish()
+            except JobTransactionLostError:
+                raise
             except Exception as exc:
-                _discard(session)
+                if not conn.invalidated:
+                    session.discard()
                 if conn.invalidated:
                     # The job's transaction is gone with its connection: nothing can be
-                    # recorded; the job runs again, and this run counts as an unclean end.
+                    # recorded; the job runs again.
                     raise
                 log_event(logging.WARNING, "handle-job-exception", **fields, error=repr(exc))
-                return self._after_exception(conn, job, context, exc, runs)
+                return self._after_exception(conn, claim, context, exc, runs)
             self._archive(conn, job, "success", runs, None)
             log_event(logging.DEBUG, "job-finished", **fields)
             return "succeeded", None
         finally:
-            _discard(session)
+            _close_quietly(session)
 
     def _call_handler(self, context: JobContext) -> None:
         if self.settings.handler_mode == "advanced":
@@ -335,17 +527,33 @@ class JobRunner:
             )
 
     def _after_exception(
-        self, conn: Connection, job: dict[str, Any], context: JobContext, exc: Exception, runs: int
-    ) -> tuple[Outcome, tuple[JobContext, Exception] | None]:
+        self, conn: Connection, claim: _Claim, context: JobContext, exc: Exception, runs: int
+    ) -> tuple[Outcome, Failure | None]:
+        job = claim.job
         attempt = job["attempts"] + 1
-        strategy = self._strategy(job, context, exc)
-        left = strategy.retries_left(attempt) if strategy is not None else 0
         fields = self._fields(job)
-        if strategy is None or left <= 0:
+        strategy = self._strategy(job, context, exc)
+        try:
+            left = strategy.retries_left(attempt) if strategy is not None else 0
+            retry_at = strategy.retry_at(attempt, self.now()) if strategy and left > 0 else None
+        except Exception as error:
+            # A delay beyond what a date can hold, or a clock that fails: no retry can be
+            # scheduled, so the job ends as failed with the reason.
+            log_event(
+                logging.ERROR,
+                "retry-strategy-error",
+                **fields,
+                error=repr(error),
+                hint="the retry could not be scheduled; the job is archived as failed",
+            )
+            return self._fail(conn, job, context, exc, runs)
+        if retry_at is None:
             log_event(logging.INFO, "not-retrying", **fields)
             return self._fail(conn, job, context, exc, runs)
-        retry_at = strategy.retry_at(attempt, self.now())
-        conn.execute(*sql.retry(job["job_id"], retry_at))
+        _expect_one(conn.execute(*sql.retry(job["job_id"], retry_at)), "retry")
+        if claim.run_id is not None:
+            # The run's record leaves with the retry, in the same transaction.
+            conn.execute(*sql.end_run(claim.run_id))
         log_event(
             logging.INFO, "retrying", **fields, retry_at=retry_at.isoformat(), retries_left=left
         )
@@ -375,46 +583,32 @@ class JobRunner:
         context: JobContext,
         exc: Exception,
         attempts: int,
-    ) -> tuple[Outcome, tuple[JobContext, Exception] | None]:
+    ) -> tuple[Outcome, Failure | None]:
         self._archive(conn, job, "failure", attempts, describe(exc))
         return "failed", (context, exc)
 
     def _archive(
         self, conn: Connection, job: dict[str, Any], status: str, attempts: int, error: str | None
     ) -> None:
-        archived = conn.execute(
+        """Archive the job with its outcome and remove it from the queue with its run records
+        (also leftovers of runs recorded while crash accounting was on)."""
+        conn.execute(
             *sql.archive(
                 job,
                 status=status,
                 attempts=attempts,
                 finished_at=self.now(),
                 error=error,
-                dialect=self.backend.name,
+                upsert=self.dialect.archive_upsert,
             )
         )
-        if archived.rowcount == 0:
-            log_event(
-                logging.WARNING,
-                "archive-conflict",
-                **self._fields(job),
-                status=status,
-                hint="the archive already holds a job with this id (enqueued again with the "
-                "same job_id); the earlier row is kept and this job leaves the queue",
-            )
-        if not self._tracked:
-            conn.execute(*sql.delete_job(job["job_id"]))
-        elif self.backend.deletes_runs_with_job:
-            conn.execute(*sql.delete_job_and_runs(job["job_id"]))
+        if self.dialect.deletes_runs_with_job:
+            _expect_one(conn.execute(*sql.delete_job_and_runs(job["job_id"])), "delete")
         else:
-            conn.execute(*sql.delete_job(job["job_id"]))
+            _expect_one(conn.execute(*sql.delete_job(job["job_id"])), "delete")
             conn.execute(*sql.end_runs(job["job_id"]))
 
-    def _finished(
-        self,
-        job: dict[str, Any],
-        outcome: Outcome,
-        failure: tuple[JobContext, Exception] | None,
-    ) -> None:
+    def _finished(self, job: dict[str, Any], outcome: Outcome, failure: Failure | None) -> None:
         """After the commit: count the outcome and call the failed-job handler."""
         if self._on_outcome is not None:
             self._on_outcome(outcome)
@@ -443,6 +637,14 @@ class JobRunner:
         }
 
 
+def _expect_one(result: Any, what: str) -> None:
+    """The job's own row must be there: a claim whose row is gone lost its transaction."""
+    if result.rowcount == 0:
+        raise JobTransactionLostError(
+            f"the job's {what} touched no row: its row lock was lost and another worker ran it"
+        )
+
+
 def _rollback_quietly(conn: Connection) -> None:
     """Roll back the claim's transaction; a dead connection has nothing left to roll back."""
     try:
@@ -452,8 +654,8 @@ def _rollback_quietly(conn: Connection) -> None:
         log_event(logging.DEBUG, "rollback-error", error=repr(exc))
 
 
-def _discard(session: Session) -> None:
-    """Close a handler's session, rolling back what it did not commit."""
+def _close_quietly(session: JobSession) -> None:
+    """Close a handler's session for good."""
     try:
         session.close()
     except Exception as exc:

@@ -2,38 +2,83 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection
-from sqlalchemy.orm import Session
+from sqlalchemy import Connection, NestedTransaction, event
+from sqlalchemy.orm import Session, SessionTransaction
 
-from sqla_proletarian.errors import ConfigurationError, UnknownJobTypeError
+from sqla_proletarian.errors import (
+    ConfigurationError,
+    JobTransactionLostError,
+    UnknownJobTypeError,
+)
 
 
 class JobSession(Session):
     """The handler's Session, inside a savepoint of the job's own transaction.
 
-    ``commit()`` only flushes: the handler's writes commit together with the job's outcome,
-    and roll back if the handler raises, even after a ``commit()``. Once the outcome is
-    recorded the session is closed for good, so late use fails instead of writing nothing.
+    The worker owns that savepoint, opened when the handler first uses its session, so
+    whatever the handler does with the session (``commit()``, ``with session.begin():``,
+    ``begin_nested()``, ``rollback()``), its writes commit together with the job's outcome
+    and roll back if it raises. ``commit()`` only flushes. Once the outcome is recorded the
+    session is closed for good, so late use fails instead of writing nothing.
     """
 
     def __init__(self, bind: Connection) -> None:
         super().__init__(
             bind=bind, join_transaction_mode="create_savepoint", close_resets_only=False
         )
+        self.job_connection = bind
+        #: The worker's savepoint around everything the handler did; None until first use.
+        self.handler_savepoint: NestedTransaction | None = None
 
     def commit(self) -> None:
         """Flush the handler's writes; they commit with the job's outcome."""
         self.flush()
 
     def finish(self) -> None:
-        """Release the handler's savepoint into the job's transaction (the worker calls it)."""
-        super().commit()
+        """Keep the handler's writes in the job's transaction (the worker calls it).
+
+        Raises what the final flush raises (a failure of the handler's writes); a savepoint
+        that cannot be released means the job's transaction is gone.
+        """
+        if self.in_transaction():
+            super().commit()
+        if self.handler_savepoint is not None:
+            try:
+                self.handler_savepoint.commit()
+            except Exception as exc:
+                raise JobTransactionLostError(
+                    f"the handler's savepoint could not be released ({exc!r})"
+                ) from exc
+
+    def discard(self) -> None:
+        """Undo everything the handler wrote; the job's transaction itself goes on."""
+        with contextlib.suppress(Exception):
+            self.close()
+        if self.handler_savepoint is not None and self.handler_savepoint.is_active:
+            try:
+                self.handler_savepoint.rollback()
+            except Exception as exc:
+                raise JobTransactionLostError(
+                    f"the handler's savepoint could not be rolled back ({exc!r})"
+                ) from exc
+
+
+@event.listens_for(JobSession, "after_transaction_create")
+def _open_handler_savepoint(session: Session, transaction: SessionTransaction) -> None:
+    """Open the worker's savepoint before the handler's session begins its first one."""
+    if (
+        isinstance(session, JobSession)
+        and transaction.parent is None
+        and session.handler_savepoint is None
+    ):
+        session.handler_savepoint = session.job_connection.begin_nested()
 
 
 @dataclass(frozen=True)

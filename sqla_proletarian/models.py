@@ -11,9 +11,9 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.schema import SchemaItem
 
 from sqla_proletarian.types import UTCDateTime, name_type, payload_type
+from sqla_proletarian.values import DEFAULT_QUEUE, build_job_values
 
-#: The queue a job goes to and a worker polls when none is named.
-DEFAULT_QUEUE = "default"
+__all__ = ["DEFAULT_QUEUE", "ArchivedJob", "Base", "Job", "JobRun", "include_object", "metadata"]
 
 JOB_TABLE = "proletarian_job"
 ARCHIVED_JOB_TABLE = "proletarian_archived_job"
@@ -84,8 +84,6 @@ class Job(Base):
 
         Further keyword options: ``job_id``, ``serializer``, ``job_id_strategy``, ``clock``.
         """
-        from sqla_proletarian.enqueue import build_job_values
-
         values = build_job_values(
             job_type,
             payload,
@@ -125,10 +123,12 @@ class ArchivedJob(Base):
 
 
 class JobRun(Base):
-    """A run in progress, committed before the handler starts and removed with its outcome.
+    """A claim's run record: committed before a handler starts, it names the job running.
 
-    A row that outlives its run marks an unclean end (the worker died or lost its
-    connection), which is how a job that crashes its worker is stopped from looping.
+    It is removed with the outcome, or by its live worker when the run is given up. A record
+    whose ``owner`` (a lock of the worker's database session, or its process on SQLite) is
+    gone marks an unclean end of the job it names: how a job that crashes its worker is
+    stopped from looping. See ``sqla_proletarian.ledger``.
     """
 
     __tablename__ = JOB_RUN_TABLE
@@ -138,6 +138,7 @@ class JobRun(Base):
     job_id: Mapped[uuid.UUID] = mapped_column(Uuid(), index=True)
     worker_id: Mapped[str] = mapped_column(String(255))
     started_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    owner: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 LIBRARY_TABLES = frozenset(metadata.tables)

@@ -15,10 +15,15 @@ from types import FrameType
 from typing import Any, Literal
 
 from sqlalchemy import Engine
-from sqlalchemy.pool import QueuePool, SingletonThreadPool
+from sqlalchemy.pool import QueuePool
 
-from sqla_proletarian.enqueue import Clock, check_name, utc_now
-from sqla_proletarian.errors import ConfigurationError
+from sqla_proletarian.dialects import dialect_of
+from sqla_proletarian.errors import (
+    ConfigurationError,
+    is_transient,
+    polling_error_hint,
+    transient_hint,
+)
 from sqla_proletarian.execution import (
     FailedJobHandler,
     JobRunner,
@@ -30,7 +35,7 @@ from sqla_proletarian.execution import (
 from sqla_proletarian.logs import log_event
 from sqla_proletarian.models import DEFAULT_QUEUE
 from sqla_proletarian.serialization import DEFAULT_SERIALIZER, Serializer
-from sqla_proletarian.statements import is_transient, polling_error_hint, transient_hint
+from sqla_proletarian.values import Clock, check_name, utc_now
 
 DEFAULT_WORKER_THREADS = 1
 #: Seconds to wait before polling again once the queue is drained.
@@ -142,11 +147,14 @@ class QueueWorker:
         _check_engine(engine)
         self.options = options
         self.worker_id: str = options.worker_id or ""
-        self._runner = JobRunner(engine, options.run_settings(handler), self._count)
+        self._stopping = threading.Event()
+        dialect_of(engine).check_worker_engine(engine)
+        self._runner = JobRunner(
+            engine, options.run_settings(handler), self._count, stopping=self._stopping.is_set
+        )
         _check_pool(engine, self._runner.connections_per_thread, options.worker_threads)
         self._counts: dict[Outcome, int] = {"succeeded": 0, "retried": 0, "failed": 0}
         self._counts_lock = threading.Lock()
-        self._stopping = threading.Event()
         self._wakeup = threading.Event()
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
@@ -192,6 +200,7 @@ class QueueWorker:
                     thread.join(max(0.0, deadline - time.monotonic()))
             unfinished = [t.name for t in self._threads if t.is_alive()]
             if unfinished:
+                self._runner.abandon_in_flight()
                 log_event(
                     logging.WARNING,
                     "queue-worker-shutdown-timeout",
@@ -211,6 +220,8 @@ class QueueWorker:
                         error=repr(exc),
                     )
             self._restore_signal_handlers()
+            if not unfinished:
+                self._runner.close()
             self._stopped.set()
             log_event(
                 logging.INFO, "completed-shutdown", worker_id=self.worker_id, **self.summary()
@@ -371,12 +382,6 @@ def _check_engine(engine: Engine) -> None:
         raise ConfigurationError(
             f"the worker needs a sqlalchemy Engine, not {type(engine).__name__}: the worker "
             "opens its own connections"
-        )
-    if engine.dialect.name == "sqlite" and isinstance(engine.pool, SingletonThreadPool):
-        raise ConfigurationError(
-            "this SQLite engine gives each thread its own in-memory database, so worker "
-            "threads would never see the jobs: use a file database "
-            "(create_engine('sqlite:///jobs.db')), or process_next_job() in one thread"
         )
 
 

@@ -5,8 +5,10 @@ Two ways in. Add :data:`VERSION_LOCATION` (or ``sqla_proletarian.migrations:vers
 labelled :data:`BRANCH_LABEL`. Or keep one head: call :func:`create_tables` from the
 ``upgrade()`` of a revision of your own and :func:`drop_tables` from its ``downgrade()``.
 
-The DDL below is frozen: it is the schema of revision ``sqlap_0001`` and never follows later
-edits of the models. A release that changes the schema adds a revision and a helper for it.
+The DDL below is frozen: each helper is the schema change of one revision and never follows
+later edits of the models. A release that changes the schema adds a revision and a helper for
+it: ``create_tables`` is ``sqlap_0001``, ``add_run_owners`` is ``sqlap_0002``. A single-head
+project calls each new helper from a new revision of its own, in that order.
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ from sqla_proletarian.models import include_object
 
 __all__ = [
     "BRANCH_LABEL",
+    "HEAD_REVISION",
     "INITIAL_REVISION",
     "VERSION_LOCATION",
+    "add_run_owners",
     "create_tables",
+    "drop_run_owners",
     "drop_tables",
     "include_object",
 ]
@@ -39,6 +44,9 @@ BRANCH_LABEL = "sqla_proletarian"
 
 #: The revision whose schema :func:`create_tables` builds.
 INITIAL_REVISION = "sqlap_0001"
+
+#: The newest revision of the library's branch.
+HEAD_REVISION = "sqlap_0002"
 
 # Table names are spelled out (not imported from the models) so the revision stays as written.
 _JOB = "proletarian_job"
@@ -148,3 +156,22 @@ def drop_tables(op: Operations | ModuleType | None = None) -> None:
     ops = _operations(op)
     for table in reversed(_TABLES):
         ops.drop_table(table)
+
+
+def add_run_owners(op: Operations | ModuleType | None = None) -> None:
+    """Give each run record the owner whose live session vouches for it (``sqlap_0002``).
+
+    Run records written before this revision have no owner and could not be told apart from
+    those of dead workers, so they are removed: at worst a crash counted earlier is forgotten.
+    Stop the 0.1 workers before upgrading.
+    """
+    ops = _operations(op)
+    ops.execute(sa.table(_JOB_RUN).delete())
+    ops.add_column(_JOB_RUN, sa.Column("owner", sa.String(64), nullable=True))
+
+
+def drop_run_owners(op: Operations | ModuleType | None = None) -> None:
+    """Undo :func:`add_run_owners`."""
+    ops = _operations(op)
+    ops.execute(sa.table(_JOB_RUN).delete())
+    ops.drop_column(_JOB_RUN, "owner")

@@ -1,4 +1,5 @@
-"""A job enqueued again with a job_id that is already archived cannot stop the worker."""
+"""A job enqueued again with a job_id that is already archived: the archive tells how it last
+ended, and the worker goes on."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def _rows(engine: sa.Engine, model: type[sp.Job] | type[sp.ArchivedJob]) -> list
         return list(conn.execute(sa.select(model.__table__)).all())
 
 
-def test_a_job_id_already_archived_leaves_the_queue_keeps_the_first_row_and_spares_the_worker(
+def test_a_job_id_already_archived_leaves_the_queue_and_its_new_outcome_replaces_the_old_row(
     engine: sa.Engine, caplog: pytest.LogCaptureFixture
 ) -> None:
     job_id = uuid.uuid4()
@@ -45,6 +46,26 @@ def test_a_job_id_already_archived_leaves_the_queue_keeps_the_first_row_and_spar
     assert _rows(engine, sp.Job) == []
     archived = {row.job_id: row for row in _rows(engine, sp.ArchivedJob)}
     assert len(archived) == 2
-    assert archived[job_id].payload == '{"run":1}', "the earlier archive row is kept"
-    conflicts = [r for r in caplog.records if getattr(r, "event", None) == "archive-conflict"]
-    assert [r.job_id for r in conflicts] == [job_id]
+    assert archived[job_id].payload == '{"run":2}', "the newer run replaces the archive row"
+    assert archived[job_id].status == "success"
+
+
+def test_a_failed_job_enqueued_again_that_succeeds_is_archived_as_success(
+    engine: sa.Engine,
+) -> None:
+    """The stale failure row goes: the archive tells the truth about the job's last run."""
+    job_id = uuid.uuid4()
+    _enqueue(engine, job_id, {"fail": True})
+
+    def handler(job_type: str, payload: dict[str, bool]) -> None:
+        if payload["fail"]:
+            raise ValueError("first time")
+
+    assert sp.process_next_job(engine, handler)
+    (first,) = _rows(engine, sp.ArchivedJob)
+    assert (first.status, first.error is not None) == ("failure", True)
+    _enqueue(engine, job_id, {"fail": False})
+    assert sp.process_next_job(engine, handler)
+    (again,) = _rows(engine, sp.ArchivedJob)
+    assert (again.job_id, again.status, again.error) == (job_id, "success", None)
+    assert again.payload == '{"fail":false}'

@@ -17,7 +17,7 @@ from sqlalchemy.sql.expression import ClauseElement
 
 import sqla_proletarian as sp
 from sqla_proletarian import statements
-from sqla_proletarian.enqueue import build_job_values
+from sqla_proletarian.values import build_job_values
 
 INDEX = "ix_proletarian_job_poll"
 

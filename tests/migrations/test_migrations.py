@@ -143,7 +143,7 @@ def test_upgrade_heads_matches_metadata_and_survives_downgrade_and_upgrade_again
     config = library_config()
 
     run(config, engine, command.upgrade, "heads")
-    assert versions_in_database(engine) == {spm.INITIAL_REVISION}
+    assert versions_in_database(engine) == {spm.HEAD_REVISION}
     assert set(library_schema(engine)) == LIBRARY_TABLES
     assert differences(engine, sp.metadata) == []
 
@@ -264,7 +264,12 @@ USER_REVISION = '''
 import sqlalchemy as sa
 from alembic import op
 
-from sqla_proletarian.migrations import create_tables, drop_tables
+from sqla_proletarian.migrations import (
+    add_run_owners,
+    create_tables,
+    drop_run_owners,
+    drop_tables,
+)
 
 revision = "user_0001"
 down_revision = None
@@ -310,8 +315,8 @@ def user_project(root: Path, *, calls_helpers: bool, library_location: bool) -> 
     (root / "migrations" / "env.py").write_text(USER_ENV)
     revision = USER_REVISION.format(
         extra_doc=" and the library's tables" if calls_helpers else "",
-        upgrade_extra="create_tables(op)" if calls_helpers else "pass",
-        downgrade_extra="drop_tables(op)" if calls_helpers else "pass",
+        upgrade_extra="create_tables(op); add_run_owners(op)" if calls_helpers else "pass",
+        downgrade_extra="drop_run_owners(op); drop_tables(op)" if calls_helpers else "pass",
     )
     (root / "migrations" / "versions" / "user_0001.py").write_text(revision)
     locations = "%(here)s/migrations/versions"
@@ -340,7 +345,7 @@ def test_a_users_project_with_the_library_version_location_upgrades_heads(
     engine = empty_database.engine()
     config = user_project(tmp_path, calls_helpers=False, library_location=True)
     heads = set(ScriptDirectory.from_config(config).get_heads())
-    assert heads == {"user_0001", spm.INITIAL_REVISION}
+    assert heads == {"user_0001", spm.HEAD_REVISION}
 
     run(config, engine, command.upgrade, "heads")
     assert versions_in_database(engine) == heads

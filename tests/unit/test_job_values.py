@@ -12,8 +12,8 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 import sqla_proletarian as sp
-from sqla_proletarian.enqueue import build_job_values
 from sqla_proletarian.types import MAX_NAME_LENGTH
+from sqla_proletarian.values import build_job_values
 
 NOW = datetime(2024, 5, 17, 12, 0, 0, 250000, tzinfo=UTC)
 

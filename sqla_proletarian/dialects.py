@@ -1,0 +1,207 @@
+"""What differs between database servers, as data: one entry per dialect in ``DIALECTS``.
+
+Adding a server means adding one entry here (and, where its SQL differs, a branch in the
+statement builders of ``statements`` that the entry names). The worker reads these facts;
+it never asks for a dialect by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from sqlalchemy import Connection, Engine
+from sqlalchemy.pool import SingletonThreadPool, StaticPool
+
+from sqla_proletarian.errors import ConfigurationError
+
+#: How a worker shows that its run records belong to a live process (see ``ledger``):
+#: a session-level advisory lock (PostgreSQL), a named lock (MySQL/MariaDB), the process id
+#: on this host (SQLite, one machine by nature), or not at all.
+OwnerLock = Literal["advisory", "named", "process", "none"]
+
+#: How an archive row for a job id already archived (a job enqueued again with its id)
+#: replaces the old one: ON CONFLICT DO UPDATE, ON DUPLICATE KEY UPDATE, or not at all.
+ArchiveUpsert = Literal[
+    "postgresql_on_conflict", "sqlite_on_conflict", "mysql_on_duplicate_key", "none"
+]
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """The facts of one database server that the worker depends on."""
+
+    name: str
+    #: Isolation level of the claim's connection, whatever the engine says (None: SQLite,
+    #: which serialises writers anyway).
+    claim_isolation_level: str | None
+    #: Whether a claim first takes the database's write lock (SQLite's BEGIN IMMEDIATE).
+    claim_takes_write_lock: bool
+    #: Whether run records go through a connection of their own (False: the claim's own).
+    separate_ledger: bool
+    owner_lock: OwnerLock
+    archive_upsert: ArchiveUpsert
+    #: Session settings of the run-record connection that make its commits cheap, and the
+    #: statements that undo them before it goes back to the pool.
+    ledger_setup: tuple[str, ...] = ()
+    ledger_reset: tuple[str, ...] = ()
+    #: Whether one statement can delete a job and its run records (a DML CTE).
+    deletes_runs_with_job: bool = False
+    #: Whether an error can roll back the whole transaction, savepoints and row locks
+    #: included (InnoDB on a deadlock), so that the worker must check its savepoint.
+    errors_end_transaction: bool = False
+
+    @contextmanager
+    def claim_connection(self, engine: Engine) -> Iterator[Connection]:
+        """A connection set up for claiming: its isolation level, or SQLite's manual BEGIN."""
+        with engine.connect() as conn:
+            if self.claim_isolation_level is not None:
+                set_up(conn, isolation_level=self.claim_isolation_level)
+            if not self.claim_takes_write_lock:
+                yield conn
+                return
+            driver = conn.connection.driver_connection
+            previous = getattr(driver, "isolation_level", "")
+            driver.isolation_level = None  # type: ignore[union-attr]
+            try:
+                yield conn
+            finally:
+                if not conn.invalidated:
+                    driver.isolation_level = previous  # type: ignore[union-attr]
+
+    @contextmanager
+    def ledger_connection(self, engine: Engine) -> Iterator[Connection]:
+        """An autocommit connection for run records: each record commits on its own."""
+        with engine.connect() as conn:
+            set_up(conn, isolation_level="AUTOCOMMIT")
+            for statement in self.ledger_setup:
+                conn.exec_driver_sql(statement)
+            try:
+                yield conn
+            finally:
+                if not conn.invalidated:
+                    for statement in self.ledger_reset:
+                        conn.exec_driver_sql(statement)
+
+    def begin_claim(self, conn: Connection) -> None:
+        """Open the claim's transaction on ``conn``.
+
+        SQLite takes the write lock at once. An engine with SQLAlchemy's pysqlite SAVEPOINT
+        recipe (a ``begin`` event that emits ``BEGIN``) has just opened a deferred
+        transaction that has done nothing yet: it is replaced by an immediate one. A
+        connection shared with the application (StaticPool, SingletonThreadPool) that is
+        inside the application's transaction is refused, never committed or rolled back.
+        """
+        if not self.claim_takes_write_lock:
+            conn.begin()
+            return
+        driver = conn.connection.driver_connection
+        if getattr(driver, "in_transaction", False):
+            raise ConfigurationError(
+                "this SQLite connection is shared with the application (StaticPool or "
+                "SingletonThreadPool) and is inside the application's transaction: commit "
+                "or roll back first, or give the worker an engine of its own"
+            )
+        conn.begin()
+        if getattr(driver, "in_transaction", False):
+            conn.exec_driver_sql("ROLLBACK")
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    def idle_timeout(self, conn: Connection) -> float | None:
+        """The session's idle-transaction limit in seconds where the server hides it in
+        errors (MariaDB closes the connection without saying why); None when there is none.
+        """
+        if not getattr(conn.dialect, "is_mariadb", False):
+            return None
+        row = conn.exec_driver_sql(
+            "SELECT @@idle_transaction_timeout, @@idle_write_transaction_timeout"
+        ).one()
+        conn.rollback()
+        limits = [float(value) for value in row if value]
+        return min(limits) if limits else None
+
+    def check_worker_engine(self, engine: Engine) -> None:
+        """Refuse engines on which worker threads cannot have connections of their own."""
+        if self.name != "sqlite":
+            return
+        if isinstance(engine.pool, SingletonThreadPool):
+            raise ConfigurationError(
+                "this SQLite engine gives each thread its own in-memory database, so worker "
+                "threads would never see the jobs: use a file database "
+                "(create_engine('sqlite:///jobs.db')), or a shared in-memory one "
+                "('sqlite:///file:jobs?mode=memory&cache=shared&uri=true'), or "
+                "process_next_job() in one thread"
+            )
+        if isinstance(engine.pool, StaticPool):
+            raise ConfigurationError(
+                "this SQLite engine has a StaticPool, which shares one connection with the "
+                "application: the worker's transactions would commit or roll back the "
+                "application's own. Give the worker an engine of its own on the same file, "
+                "or use a shared in-memory database "
+                "('sqlite:///file:jobs?mode=memory&cache=shared&uri=true') without StaticPool"
+            )
+
+
+def set_up(conn: Connection, **options: Any) -> None:
+    """Set execution options; a connection that fails here (dead in the pool) is discarded.
+
+    Some dialects set the isolation level through a raw cursor, so the driver's error
+    arrives unwrapped; ``errors.is_transient`` knows those too.
+    """
+    try:
+        conn.execution_options(**options)
+    except Exception:
+        conn.invalidate()
+        raise
+
+
+#: One entry per server. MySQL and MariaDB share their facts.
+_MYSQL = {
+    "claim_isolation_level": "READ COMMITTED",
+    "claim_takes_write_lock": False,
+    "separate_ledger": True,
+    "owner_lock": "named",
+    "archive_upsert": "mysql_on_duplicate_key",
+    "errors_end_transaction": True,
+}
+DIALECTS: dict[str, Dialect] = {
+    "postgresql": Dialect(
+        "postgresql",
+        claim_isolation_level="READ COMMITTED",
+        claim_takes_write_lock=False,
+        separate_ledger=True,
+        owner_lock="advisory",
+        archive_upsert="postgresql_on_conflict",
+        # A run record lost in a server crash only forgets an unclean end: no fsync wait.
+        ledger_setup=("SET synchronous_commit TO OFF",),
+        ledger_reset=("RESET synchronous_commit",),
+        deletes_runs_with_job=True,
+    ),
+    "mysql": Dialect("mysql", **_MYSQL),  # type: ignore[arg-type]
+    "mariadb": Dialect("mariadb", **_MYSQL),  # type: ignore[arg-type]
+    "sqlite": Dialect(
+        "sqlite",
+        claim_isolation_level=None,
+        claim_takes_write_lock=True,
+        separate_ledger=False,
+        owner_lock="process",
+        archive_upsert="sqlite_on_conflict",
+    ),
+}
+
+#: Facts assumed for a server this library does not know: the portable subset.
+GENERIC = Dialect(
+    "generic",
+    claim_isolation_level="READ COMMITTED",
+    claim_takes_write_lock=False,
+    separate_ledger=True,
+    owner_lock="none",
+    archive_upsert="none",
+)
+
+
+def dialect_of(engine: Engine | Connection) -> Dialect:
+    """The Dialect entry of an engine's (or connection's) server."""
+    return DIALECTS.get(engine.dialect.name, GENERIC)

@@ -1,0 +1,167 @@
+"""Crash accounting: which job each claim is running, so that only a dead worker is charged.
+
+A claim has at most one run record, written (and committed at once) just before a handler
+starts, naming that handler's job. Its states, and who moves it between them:
+
+- **no record**: the job is queued, or its run ended with a recorded outcome.
+- **running**: the record names the job whose handler runs now, and its ``owner`` is alive
+  (a session lock of the worker's database connection; on SQLite, its process). Before the
+  next handler of a batch starts, the worker moves the record to that job, so a batch-mate
+  that finished or has not started is never named.
+- The worker removes the record in the job's own transaction when it records the outcome,
+  and by itself (``forget``) when it gives the run up while alive: a lost claim, a lock
+  conflict, a lost connection, an interrupt, or a shutdown that could not wait for it.
+- **unclean end**: the owner is gone (the process died, or its session ended with it) while
+  the record still names a job. Only the job it names is charged.
+
+A claim counts the records of its job whose owner is gone; a record whose owner lives is
+never counted, since its run is still in flight or being cleaned up. Records of a job leave
+with the job, so the tally is per job and survives any number of crashes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Callable
+from datetime import datetime
+
+from sqlalchemy import Connection
+
+from sqla_proletarian import statements as sql
+from sqla_proletarian.dialects import Dialect, OwnerLock
+from sqla_proletarian.logs import log_event
+
+#: Owners of this process whose runs may be in flight (SQLite: process-level owners).
+_LIVE_OWNERS: set[str] = set()
+_LIVE_OWNERS_LOCK = threading.Lock()
+
+
+def new_owner(kind: OwnerLock) -> str | None:
+    """A fresh owner token for the given kind of lock (None: owners are not tracked)."""
+    if kind == "none":
+        return None
+    token = uuid.uuid4().hex
+    if kind == "named":
+        return f"sqlap-{token}"
+    if kind == "process":
+        return f"{os.getpid()}:{token}"
+    return token
+
+
+def hold(kind: OwnerLock, owner: str | None, conn: Connection | None) -> None:
+    """Start vouching for ``owner``: take its session lock on ``conn``, or register it here."""
+    if owner is None:
+        return
+    if kind == "process":
+        with _LIVE_OWNERS_LOCK:
+            _LIVE_OWNERS.add(owner)
+    elif conn is not None:
+        conn.execute(*sql.hold_owner(kind, owner))
+
+
+def release(kind: OwnerLock, owner: str | None, conn: Connection | None) -> None:
+    """Stop vouching for ``owner``: its remaining records become unclean ends."""
+    if owner is None:
+        return
+    if kind == "process":
+        with _LIVE_OWNERS_LOCK:
+            _LIVE_OWNERS.discard(owner)
+    elif conn is not None and not conn.invalidated and not conn.closed:
+        conn.execute(*sql.release_owner(kind, owner))
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # A zombie has exited but was not reaped yet.
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def owner_gone(kind: OwnerLock, owner: str | None, conn: Connection) -> bool:
+    """Whether the worker that wrote a record is gone (so the record is an unclean end)."""
+    if owner is None or kind == "none":
+        return True
+    if kind == "process":
+        pid_text, _, _ = owner.partition(":")
+        if not pid_text.isdigit():
+            return True
+        if int(pid_text) == os.getpid():
+            with _LIVE_OWNERS_LOCK:
+                return owner not in _LIVE_OWNERS
+        return not _process_alive(int(pid_text))
+    return bool(conn.execute(*sql.owner_gone(kind, owner)).scalar())
+
+
+def unclean_ends(dialect: Dialect, conn: Connection, job_id: uuid.UUID, records: int) -> int:
+    """How many runs of a claimed job ended with their worker; ``records`` came with the poll."""
+    if records == 0:
+        return 0
+    rows = conn.execute(*sql.runs_of(job_id)).all()
+    return sum(1 for row in rows if owner_gone(dialect.owner_lock, row.owner, conn))
+
+
+class RunRecord:
+    """One claim's run record, moved from job to job and removed by its own worker.
+
+    ``conn`` is the connection records are written on: the ledger's own autocommit one, or
+    (SQLite) the claim's, whose caller commits. ``worker`` names the thread in the record.
+    """
+
+    def __init__(
+        self,
+        dialect: Dialect,
+        owner: str | None,
+        worker: str,
+        clock: Callable[[], datetime],
+    ) -> None:
+        self.dialect = dialect
+        self.owner = owner
+        self.worker = worker[:255]
+        self.clock = clock
+        self.run_id: uuid.UUID | None = None
+        self.job_id: uuid.UUID | None = None
+
+    def begin(self, conn: Connection, job_id: uuid.UUID) -> None:
+        """Name ``job_id`` as the job whose handler starts now (committed by the caller on
+        SQLite, at once elsewhere)."""
+        now = self.clock()
+        if self.run_id is None:
+            self.run_id = uuid.uuid4()
+            conn.execute(*sql.start_run(self.run_id, job_id, self.worker, self.owner, now))
+        else:
+            conn.execute(*sql.move_run(self.run_id, job_id, now))
+        self.job_id = job_id
+
+    def ended(self) -> None:
+        """The outcome's commit removed the record."""
+        self.run_id = self.job_id = None
+
+    def forget(self, conn: Connection) -> bool:
+        """Remove the record of a run this live worker gives up; True if it is gone."""
+        if self.run_id is None:
+            return True
+        try:
+            conn.execute(*sql.end_run(self.run_id))
+            if conn.in_transaction():
+                conn.commit()
+        except Exception as exc:
+            log_event(
+                logging.WARNING,
+                "run-record-cleanup-error",
+                job_id=self.job_id,
+                error=repr(exc),
+                hint="the record stays; it counts as an unclean end only once this worker is gone",
+            )
+            return False
+        self.ended()
+        return True

@@ -1,0 +1,128 @@
+"""What a new job is made of: validated names and times, the clock, and job ids.
+
+Below both the models and enqueue, so ``Job(...)`` and ``enqueue()`` validate the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqla_proletarian.errors import InvalidJobError
+from sqla_proletarian.serialization import DEFAULT_SERIALIZER, Serializer
+from sqla_proletarian.types import MAX_NAME_LENGTH
+
+#: The queue a job goes to and a worker polls when none is named.
+DEFAULT_QUEUE = "default"
+
+Clock = Callable[[], datetime]
+JobIdStrategy = Callable[[], uuid.UUID]
+
+
+def utc_now() -> datetime:
+    """The default clock: the current time as an aware UTC datetime."""
+    return datetime.now(UTC)
+
+
+def uuid4() -> uuid.UUID:
+    """The default job id strategy: a random UUID."""
+    return uuid.uuid4()
+
+
+def uuid7() -> uuid.UUID:
+    """A time-ordered UUID (RFC 9562 version 7): ids sort by creation time, to the millisecond."""
+    millis = time.time_ns() // 1_000_000
+    value = (millis & 0xFFFF_FFFF_FFFF) << 80
+    value |= int.from_bytes(os.urandom(10), "big") & ((1 << 80) - 1)
+    value &= ~(0xF << 76)
+    value |= 0x7 << 76
+    value &= ~(0x3 << 62)
+    value |= 0x2 << 62
+    return uuid.UUID(int=value)
+
+
+def check_name(field: str, value: object) -> str:
+    """A queue name or job type that every backend stores and compares exactly."""
+    if not isinstance(value, str):
+        raise InvalidJobError(field, f"{value!r} is a {type(value).__name__}; give a string")
+    if not value:
+        raise InvalidJobError(field, "is empty; give a non-empty string")
+    if len(value) > MAX_NAME_LENGTH:
+        raise InvalidJobError(
+            field, f"is {len(value)} characters long; the limit is {MAX_NAME_LENGTH}"
+        )
+    if "\x00" in value:
+        raise InvalidJobError(field, f"{value!r} contains NUL, which databases cannot store")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidJobError(
+            field, f"{value!r} is not valid Unicode text (a lone surrogate?): {exc.reason}"
+        ) from None
+    return value
+
+
+def check_aware(field: str, value: object) -> datetime:
+    """An aware datetime, converted to UTC; naive ones are refused."""
+    if not isinstance(value, datetime):
+        raise InvalidJobError(field, f"{value!r} is not a datetime")
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise InvalidJobError(
+            field,
+            f"{value!r} is naive; give an aware datetime, e.g. datetime.now(timezone.utc)",
+        )
+    return value.astimezone(UTC)
+
+
+def schedule(
+    now: datetime, process_at: datetime | None, process_in: timedelta | float | None
+) -> datetime:
+    """When a job may run: ``process_at`` wins over ``process_in``; the past means now."""
+    if process_at is not None:
+        return max(now, check_aware("process_at", process_at))
+    if process_in is not None:
+        if isinstance(process_in, bool) or not isinstance(process_in, timedelta | int | float):
+            raise InvalidJobError(
+                "process_in", f"{process_in!r}: give a timedelta or a number of seconds"
+            )
+        seconds = process_in.total_seconds() if isinstance(process_in, timedelta) else process_in
+        if seconds != seconds or seconds in (float("inf"), float("-inf")):
+            raise InvalidJobError("process_in", f"{process_in!r} is not a finite duration")
+        return now + timedelta(seconds=max(0.0, float(seconds)))
+    return now
+
+
+def build_job_values(
+    job_type: str,
+    payload: Any = None,
+    *,
+    queue: str = DEFAULT_QUEUE,
+    process_at: datetime | None = None,
+    process_in: timedelta | float | None = None,
+    job_id: uuid.UUID | None = None,
+    serializer: Serializer | None = None,
+    job_id_strategy: JobIdStrategy | None = None,
+    clock: Clock | None = None,
+) -> dict[str, Any]:
+    """The column values of a new job, validated; raises before anything is written."""
+    check_name("job_type", job_type)
+    check_name("queue", queue)
+    now = check_aware("clock()", (clock or utc_now)())
+    text = (serializer or DEFAULT_SERIALIZER).dumps(payload)
+    if job_id is None:
+        job_id = (job_id_strategy or uuid4)()
+    if not isinstance(job_id, uuid.UUID):
+        raise InvalidJobError("job_id", f"{job_id!r} is not a uuid.UUID")
+    return {
+        "job_id": job_id,
+        "queue": queue,
+        "job_type": job_type,
+        "payload": text,
+        "attempts": 0,
+        "enqueued_at": now,
+        "process_at": schedule(now, process_at, process_in),
+    }
