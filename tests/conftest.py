@@ -4,11 +4,16 @@ Backends: SQLite always; PostgreSQL and MariaDB from ``SP_TEST_POSTGRESQL_URL`` 
 ``SP_TEST_MARIADB_URL`` (admin URLs; ``make test`` starts the servers and sets them).
 ``SP_TEST_BACKENDS`` (comma list) narrows the run. Under ``CI`` a missing server is an error,
 never a silent skip.
+
+``driver_database`` runs a test once per driver of each backend (psycopg 3 and psycopg2 on
+PostgreSQL, PyMySQL on MariaDB, pysqlite): the same fresh database, reached through that
+driver. ``@pytest.mark.backends("postgresql", ...)`` narrows such a test to some backends.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import uuid
 from collections.abc import Iterator
@@ -22,10 +27,45 @@ import sqla_proletarian as sp
 
 ALL_BACKENDS = ("sqlite", "postgresql", "mariadb")
 SERVER_URL_VARS = {"postgresql": "SP_TEST_POSTGRESQL_URL", "mariadb": "SP_TEST_MARIADB_URL"}
+#: The drivers ``driver_database`` runs each backend through, and the module each imports.
+DRIVERS = {
+    "sqlite": ("pysqlite",),
+    "postgresql": ("psycopg", "psycopg2"),
+    "mariadb": ("pymysql",),
+}
+DRIVER_MODULES = {
+    "pysqlite": "sqlite3",
+    "psycopg": "psycopg",
+    "psycopg2": "psycopg2",
+    "pymysql": "pymysql",
+}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--soak", action="store_true", help="run the long fault-injection soak")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "backends(*names): run a driver_database test on these backends only"
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Parametrise ``driver_database`` over every driver of each selected backend."""
+    if "driver_database" not in metafunc.fixturenames:
+        return
+    marker = metafunc.definition.get_closest_marker("backends")
+    wanted = marker.args if marker else ALL_BACKENDS
+    pairs = [
+        (backend, driver)
+        for backend in selected_backends()
+        if backend in wanted
+        for driver in DRIVERS[backend]
+    ]
+    metafunc.parametrize(
+        "driver_database", pairs, indirect=True, ids=[f"{b}-{d}" for b, d in pairs]
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -65,6 +105,8 @@ class Database:
     def __init__(self, backend: str, url: URL) -> None:
         self.backend = backend
         self.url = url
+        #: The DBAPI driver of ``url`` ("psycopg", "psycopg2", "pymysql", "pysqlite").
+        self.driver = url.get_driver_name()
         self._engines: list[sa.Engine] = []
 
     def engine(self, **kwargs: object) -> sa.Engine:
@@ -135,3 +177,31 @@ def engine(database: Database) -> sa.Engine:
 @pytest.fixture
 def backend(database: Database) -> str:
     return database.backend
+
+
+def require_driver(driver: str) -> None:
+    """Skip (fail under CI) when a driver's module is not installed."""
+    module = DRIVER_MODULES[driver]
+    if importlib.util.find_spec(module) is None:
+        message = f"the {driver} driver ({module}) is not installed: pip install -e '.[dev]'"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+@pytest.fixture
+def driver_database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
+    """A fresh database with the library's tables, reached through one driver of its backend
+    (parametrised by ``pytest_generate_tests``): ``database.driver`` says which."""
+    backend, driver = request.param
+    require_driver(driver)
+    url, admin, name = _create_database(backend, tmp_path)
+    database = Database(backend, url.set(drivername=f"{url.get_backend_name()}+{driver}"))
+    try:
+        engine = database.engine()
+        sp.metadata.create_all(engine)
+        engine.dispose()
+        yield database
+    finally:
+        database.dispose()
+        _drop_database(backend, admin, name)
