@@ -89,7 +89,24 @@ class JobTransactionLostError(ProletarianError):
 # and mysqlclient in ``args[0]``, MariaDB Connector and mysql-connector as ``errno``).
 
 #: Modules of the drivers whose raw exceptions can escape SQLAlchemy's wrapping.
-_DRIVER_MODULES = ("psycopg", "psycopg2", "asyncpg", "pymysql", "MySQLdb", "mariadb", "sqlite3")
+_DRIVER_MODULES = (
+    "psycopg",
+    "asyncpg",
+    "sqlalchemy.dialects.postgresql.asyncpg",  # SQLAlchemy's adapter of asyncpg's errors
+    "pymysql",
+    "MySQLdb",
+    "mariadb",
+    "sqlite3",
+)
+_PG_MODULES = ("psycopg", "asyncpg", "sqlalchemy.dialects.postgresql.asyncpg")
+#: What PostgreSQL says when it refuses a login for good.
+_PG_REFUSED_LOGIN = (
+    "does not exist",
+    "password authentication failed",
+    "authentication failed",
+    "no pg_hba.conf entry",
+    "is not permitted to log in",
+)
 _MYSQL_MODULES = ("pymysql", "MySQLdb", "mariadb", "mysql.connector", "_mysql_connector")
 
 #: PostgreSQL SQLSTATEs after which the same work can succeed later: serialization failure,
@@ -165,9 +182,11 @@ def is_transient(exc: BaseException) -> bool:
         # A pool with no free connection; a transaction left broken by an earlier error
         # (the thread's connections are replaced before the next poll).
         return True
+    orig = driver_error(exc)
+    if orig is not None and _refused_login(orig):
+        return False
     if isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated:
         return True
-    orig = driver_error(exc)
     if orig is None:
         return False
     state = sqlstate(orig)
@@ -180,7 +199,16 @@ def is_transient(exc: BaseException) -> bool:
         message = str(orig).lower()
         return "locked" in message or "busy" in message
     # psycopg and psycopg2 report a broken connection as an OperationalError with no code.
-    return type(orig).__name__ == "OperationalError" and module.startswith(("psycopg", "asyncpg"))
+    return type(orig).__name__ == "OperationalError" and module.startswith(_PG_MODULES)
+
+
+def _refused_login(orig: BaseException) -> bool:
+    """PostgreSQL refused the login for good (a wrong database, role or password): its
+    drivers give that no SQLSTATE, like a lost connection, so the message tells."""
+    if not type(orig).__module__.startswith(_PG_MODULES) or sqlstate(orig) is not None:
+        return False
+    message = str(orig).lower()
+    return any(refusal in message for refusal in _PG_REFUSED_LOGIN)
 
 
 def connection_loss_hint(
@@ -248,6 +276,11 @@ def transient_hint(exc: BaseException) -> str | None:
             "pool_size + max_overflow >= 2 * worker_threads plus what the app uses"
         )
     orig = driver_error(exc)
-    if orig is not None and (mysql_errno(orig) in (1040, 1203) or sqlstate(orig) == "53300"):
+    too_many = ("too many connections", "connection limit")
+    if orig is not None and (
+        mysql_errno(orig) in (1040, 1203, 1226)
+        or sqlstate(orig) == "53300"
+        or any(text in str(orig).lower() for text in too_many)
+    ):
         return "the server refused a connection (too many connections); the worker waits"
     return None

@@ -143,14 +143,8 @@ class JobRunner:
         #: Whether runs are recorded (the crash ledger), and on a connection of their own.
         self._tracked = settings.max_unclean_ends is not None
         self._separate_ledger = self._tracked and self.dialect.separate_ledger
-        #: SQLite: one owner for the whole runner, this process.
-        self._process_owner: str | None = None
-        if self._tracked and self.dialect.owner_lock == "process":
-            self._process_owner = ledger.new_owner("process")
-            ledger.hold("process", self._process_owner, None)
-        #: Run records this worker gave up but could not remove yet; retried before claims.
-        self._orphans: list[uuid.UUID] = []
-        self._orphans_lock = threading.Lock()
+        #: Where run records this process gave up but could not remove are kept for later.
+        self._database = engine.url.render_as_string(hide_password=True)
         #: The connections of threads whose handler is running, by thread id.
         self._in_flight: dict[int, WorkerConnections] = {}
 
@@ -170,10 +164,9 @@ class JobRunner:
         with self._connect_lock, stack:
             conn = stack.enter_context(self.dialect.claim_connection(self.engine))
             ledger_conn = None
-            owner = self._process_owner
+            owner = ledger.new_owner(self.dialect.owner_lock) if self._tracked else None
             if self._separate_ledger:
                 ledger_conn = stack.enter_context(self.dialect.ledger_connection(self.engine))
-                owner = ledger.new_owner(self.dialect.owner_lock)
                 ledger.hold(self.dialect.owner_lock, owner, ledger_conn)
                 stack.callback(ledger.release, self.dialect.owner_lock, owner, ledger_conn)
             idle_timeout = self.dialect.idle_timeout(conn)
@@ -184,24 +177,15 @@ class JobRunner:
             return WorkerConnections(conn, ledger_conn, record, stack.pop_all(), idle_timeout)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def close(self) -> None:
-        """The worker has stopped and none of its handlers runs: stop vouching for records."""
-        if self._process_owner is not None and not self._in_flight:
-            ledger.release("process", self._process_owner, None)
-
     def process_one(self, connections: WorkerConnections | None = None) -> bool:
         """Claim and run at most one job; True if a job was claimed."""
         if connections is not None:
             return self._claim_one(connections)
-        try:
-            with self.open_connections() as opened:
-                return self._claim_one(opened)
-        finally:
-            self.close()
+        with self.open_connections() as opened:
+            return self._claim_one(opened)
 
     def _claim_one(self, connections: WorkerConnections) -> bool:
-        if self._orphans:
-            self._clear_orphans(connections)
+        self._clear_orphans(connections)
         if not self.dialect.claim_takes_write_lock:
             return self._process(connections)
         # SQLite runs one job at a time per file anyway; taking turns inside the process
@@ -346,13 +330,13 @@ class JobRunner:
             except Exception as exc:
                 log_event(logging.DEBUG, "run-record-cleanup-error", error=repr(exc))
         if record.run_id is not None:
-            with self._orphans_lock:
-                self._orphans.append(record.run_id)
+            ledger.add_orphan(self._database, record.run_id)
             record.ended()
 
     def _clear_orphans(self, connections: WorkerConnections) -> None:
-        with self._orphans_lock:
-            orphans, self._orphans = self._orphans, []
+        orphans = ledger.take_orphans(self._database)
+        if not orphans:
+            return
         conn = connections.records_on
         try:
             for run_id in orphans:
@@ -361,8 +345,8 @@ class JobRunner:
                 conn.commit()
         except Exception:
             _rollback_quietly(conn)
-            with self._orphans_lock:
-                self._orphans.extend(orphans)
+            for run_id in orphans:
+                ledger.add_orphan(self._database, run_id)
             raise
 
     def _interrupted(

@@ -34,43 +34,57 @@ from sqla_proletarian import statements as sql
 from sqla_proletarian.dialects import Dialect, OwnerLock
 from sqla_proletarian.logs import log_event
 
-#: Owners of this process whose runs may be in flight (SQLite: process-level owners).
-_LIVE_OWNERS: set[str] = set()
-_LIVE_OWNERS_LOCK = threading.Lock()
+#: SQLite's owner of every record this process writes: the process itself, on one machine.
+_process_owner: tuple[int, str] | None = None
+#: Run records this process gave up but could not remove yet, by database; removed before
+#: the next claim on that database.
+_ORPHANS: dict[str, list[uuid.UUID]] = {}
+_LOCK = threading.Lock()
 
 
 def new_owner(kind: OwnerLock) -> str | None:
-    """A fresh owner token for the given kind of lock (None: owners are not tracked)."""
+    """The owner token for a new ledger connection (None: owners are not tracked)."""
     if kind == "none":
         return None
+    if kind == "process":
+        return process_owner()
     token = uuid.uuid4().hex
-    if kind == "named":
-        return f"sqlap-{token}"
-    if kind == "process":
-        return f"{os.getpid()}:{token}"
-    return token
+    return f"sqlap-{token}" if kind == "named" else token
 
 
-def hold(kind: OwnerLock, owner: str | None, conn: Connection | None) -> None:
-    """Start vouching for ``owner``: take its session lock on ``conn``, or register it here."""
-    if owner is None:
-        return
-    if kind == "process":
-        with _LIVE_OWNERS_LOCK:
-            _LIVE_OWNERS.add(owner)
-    elif conn is not None:
+def process_owner() -> str:
+    """This process's owner token (a new one after a fork)."""
+    global _process_owner
+    with _LOCK:
+        if _process_owner is None or _process_owner[0] != os.getpid():
+            _process_owner = (os.getpid(), f"{os.getpid()}:{uuid.uuid4().hex}")
+        return _process_owner[1]
+
+
+def hold(kind: OwnerLock, owner: str | None, conn: Connection) -> None:
+    """Start vouching for ``owner``: take its session lock on ``conn``."""
+    if owner is not None and kind in ("advisory", "named"):
         conn.execute(*sql.hold_owner(kind, owner))
 
 
-def release(kind: OwnerLock, owner: str | None, conn: Connection | None) -> None:
+def release(kind: OwnerLock, owner: str | None, conn: Connection) -> None:
     """Stop vouching for ``owner``: its remaining records become unclean ends."""
-    if owner is None:
+    if owner is None or kind not in ("advisory", "named"):
         return
-    if kind == "process":
-        with _LIVE_OWNERS_LOCK:
-            _LIVE_OWNERS.discard(owner)
-    elif conn is not None and not conn.invalidated and not conn.closed:
+    if not conn.invalidated and not conn.closed:
         conn.execute(*sql.release_owner(kind, owner))
+
+
+def add_orphan(database: str, run_id: uuid.UUID) -> None:
+    """Remember a record to remove before the next claim on ``database``."""
+    with _LOCK:
+        _ORPHANS.setdefault(database, []).append(run_id)
+
+
+def take_orphans(database: str) -> list[uuid.UUID]:
+    """The records waiting to be removed on ``database`` (put back with add_orphan on failure)."""
+    with _LOCK:
+        return _ORPHANS.pop(database, [])
 
 
 def _process_alive(pid: int) -> bool:
@@ -96,8 +110,8 @@ def owner_gone(kind: OwnerLock, owner: str | None, conn: Connection) -> bool:
         if not pid_text.isdigit():
             return True
         if int(pid_text) == os.getpid():
-            with _LIVE_OWNERS_LOCK:
-                return owner not in _LIVE_OWNERS
+            # This process: its own token lives; another is a dead process's reused pid.
+            return owner != process_owner()
         return not _process_alive(int(pid_text))
     return bool(conn.execute(*sql.owner_gone(kind, owner)).scalar())
 

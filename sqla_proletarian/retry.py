@@ -9,6 +9,9 @@ from typing import Any
 
 from sqla_proletarian.errors import InvalidRetryStrategyError
 
+#: Longest delay before a retry: ten years. Every backend stores the time that gives.
+MAX_RETRY_DELAY = timedelta(days=3650).total_seconds()
+
 
 def _seconds(delay: Any, index: int) -> float:
     if isinstance(delay, timedelta):
@@ -20,6 +23,11 @@ def _seconds(delay: Any, index: int) -> float:
     if not math.isfinite(delay) or delay < 0:
         raise InvalidRetryStrategyError(
             f"delays[{index}] is {delay!r}; a delay must be a finite number of seconds >= 0"
+        )
+    if delay > MAX_RETRY_DELAY:
+        raise InvalidRetryStrategyError(
+            f"delays[{index}] is {delay!r} seconds, more than ten years "
+            f"({MAX_RETRY_DELAY:.0f} s); give a shorter delay, or no retry"
         )
     return float(delay)
 

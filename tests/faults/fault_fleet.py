@@ -249,13 +249,16 @@ class Fleet:
         return self.db.check(self.starts(), strict, self.rolled_back())
 
     def rolled_back(self) -> Counter[str]:
-        """Runs whose outcome a deadlock or lock timeout rolled back, by job id: the job runs
-        again, and the library does not count such a run (it is no crash)."""
+        """Runs a live worker gave up, by job id: a deadlock or lock timeout rolled their
+        transaction back, or their connection was lost while the worker lived. The job runs
+        again, and the library does not count such a run (only a dead worker's is an
+        unclean end)."""
         found: Counter[str] = Counter()
-        for line in events(self.logs(), "job-outcome-rolled-back"):
-            match = JOB_ID.search(line)
-            if match:
-                found[match.group(1)] += 1
+        for event in ("job-transaction-lost", "job-connection-lost"):
+            for line in events(self.logs(), event):
+                match = JOB_ID.search(line)
+                if match:
+                    found[match.group(1)] += 1
         return found
 
     def evidence(self, check: Check, limit: int = 3) -> str:
@@ -290,7 +293,8 @@ class Fleet:
 
 #: Log lines that every fault scenario produces by the hundred.
 ROUTINE = re.compile(
-    r" (job-connection-lost|job-interrupted|handle-job-exception|retrying|not-retrying) "
+    r" (job-connection-lost|job-transaction-lost|job-interrupted|handle-job-exception"
+    r"|retrying|not-retrying) "
 )
 
 

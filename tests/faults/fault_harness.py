@@ -67,7 +67,7 @@ def job_mix(count: int) -> list[str]:
 def is_transient_error(exc: BaseException) -> bool:
     """Whether a test-side database error is worth retrying (restart, killed session, lock)."""
     return isinstance(exc, sa.exc.DBAPIError) and (
-        exc.connection_invalidated or sp.statements.is_transient(exc)
+        exc.connection_invalidated or sp.errors.is_transient(exc)
     )
 
 
@@ -251,10 +251,10 @@ class FaultDatabase:
         """Everything the scenario promises, read from the database.
 
         ``starts`` counts the handler starts of each job (from the workers' ``start`` lines);
-        ``rolled_back`` the runs whose outcome a lock conflict rolled back (not counted).
-        The archive's ``attempts`` counts every run, those that ended uncleanly (worker
-        killed, connection lost) included, so it is the attempts the job's kind calls for plus
-        its unclean ends; ``strict`` says no run may have ended uncleanly.
+        ``rolled_back`` the runs a live worker gave up (lock conflict, lost connection: not
+        counted). The archive's ``attempts`` counts every run with an outcome and every run
+        that ended with its worker (killed), so it is the attempts the job's kind calls for
+        plus its unclean ends; ``strict`` says no run may have ended uncleanly.
         """
 
         def read() -> tuple[list[Any], list[Any], set[uuid.UUID], int]:

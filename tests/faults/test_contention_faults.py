@@ -39,7 +39,7 @@ def lock_errors(log: str) -> tuple[Counter[str], int]:
     cut_off = sum(
         any(pattern.search(line) for pattern in LOCK_ERRORS.values())
         for line in ff.events(log, "job-connection-lost")
-        + ff.events(log, "job-outcome-rolled-back")
+        + ff.events(log, "job-transaction-lost")
     )
     return found, cut_off
 

@@ -316,20 +316,9 @@ def test_a_missing_table_is_neither_transient_nor_a_lock_conflict(
 
 
 @servers_only
-def test_a_login_to_a_missing_database_is_not_transient(
-    driver_database: Database, request: pytest.FixtureRequest
-) -> None:
+def test_a_login_to_a_missing_database_is_not_transient(driver_database: Database) -> None:
     """A URL naming no database (PostgreSQL 3D000, MariaDB 1049) stays wrong however long
-    the worker waits."""
-    if pg(driver_database):
-        request.applymarker(
-            pytest.mark.xfail(
-                reason="PostgreSQL drivers give a refused login no SQLSTATE, and "
-                "errors.is_transient takes every code-less psycopg/psycopg2 "
-                "OperationalError for a lost connection",
-                strict=True,
-            )
-        )
+    the worker waits; PostgreSQL's drivers give it no SQLSTATE, like a lost connection."""
     engine = sa.create_engine(
         driver_database.url.set(database="sp_no_such_database"), poolclass=sa.pool.NullPool
     )

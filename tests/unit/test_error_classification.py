@@ -197,16 +197,10 @@ def test_each_postgresql_driver_reports_every_sqlstate_as_the_tables_say(driver:
         built = PG_DRIVERS[driver](code)
         if (sqlstate(built[0]), mysql_errno(built[0])) != (code, None):
             wrong.append(f"{built[0]!r}: sqlstate {sqlstate(built[0])!r}, not {code!r}")
-        # Unwrapped, SQLAlchemy's asyncpg adapter errors go unrecognised: the xfail below.
-        wrong += misclassified(built, pg_expected(code), bare=driver != "asyncpg-sqlalchemy")
+        wrong += misclassified(built, pg_expected(code))
     assert not wrong, "\n".join(wrong)
 
 
-@pytest.mark.xfail(
-    reason="errors.driver_error does not know SQLAlchemy's asyncpg adapter errors "
-    "(module sqlalchemy.dialects.postgresql.asyncpg) when they arrive unwrapped",
-    strict=True,
-)
 def test_sqlalchemys_asyncpg_adapter_errors_are_classified_unwrapped_too() -> None:
     adapted, _ = asyncpg_adapted_error("40P01")
     assert (is_lock_conflict(adapted), is_transient(adapted)) == (True, True)
