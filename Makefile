@@ -28,7 +28,7 @@ source "$$SP_TESTDB_DIR/env"; \
 $(1)
 endef
 
-.PHONY: venv lint test faults soak quickstart \
+.PHONY: venv lint test test-sqla-oldest faults soak quickstart \
 	examples.db.install examples.db.uninstall examples.db.recreate clean
 
 venv: $(STAMP)
@@ -47,6 +47,27 @@ lint: venv
 
 test: venv lint
 	$(call with_testdb,$(VENV)/bin/pytest tests -q)
+
+# The oldest SQLAlchemy that pyproject.toml claims, in a venv of its own: the unit tests and
+# the integration tests of enqueue, outcomes, app integrations and the examples, on every
+# backend. (`tox -e sqla-oldest,sqla-newest` runs the whole suite on 2.0.30 and on 2.1.)
+SQLA_OLDEST := 2.0.30
+VENV_SQLA_OLDEST := .venv-sqla20
+SQLA_OLDEST_TESTS := tests/unit tests/integration/test_enqueue.py \
+	tests/integration/test_worker_outcomes.py tests/integration/test_app_integrations.py \
+	tests/integration/test_flask_sqlalchemy_example.py tests/integration/test_examples.py
+
+$(VENV_SQLA_OLDEST)/.installed.stamp: pyproject.toml
+	test -x $(VENV_SQLA_OLDEST)/bin/python || $(PYTHON) -m venv $(VENV_SQLA_OLDEST)
+	$(VENV_SQLA_OLDEST)/bin/pip install -q --upgrade pip
+	$(VENV_SQLA_OLDEST)/bin/pip install -q -e '.[postgresql,mysql,dev]' 'sqlalchemy==$(SQLA_OLDEST)'
+	touch $@
+
+test-sqla-oldest: $(VENV_SQLA_OLDEST)/.installed.stamp
+	$(call with_testdb,$(VENV_SQLA_OLDEST)/bin/python -c \
+		"import sqlalchemy as sa; print('SQLAlchemy', sa.__version__); \
+		assert sa.__version__ == '$(SQLA_OLDEST)'" && \
+		$(VENV_SQLA_OLDEST)/bin/pytest $(SQLA_OLDEST_TESTS) -q)
 
 faults: venv
 	$(call with_testdb,SP_FAULT_REPORT=1 $(VENV)/bin/pytest tests/faults -q -s)
@@ -74,5 +95,5 @@ examples.db.recreate: examples.db.uninstall
 	$(MAKE) examples.db.install
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache .tox .hypothesis
+	rm -rf $(VENV) $(VENV_SQLA_OLDEST) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache .tox .hypothesis
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
