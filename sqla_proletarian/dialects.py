@@ -63,6 +63,13 @@ class Dialect:
                 yield conn
                 return
             driver = conn.connection.driver_connection
+            if getattr(driver, "in_transaction", False):
+                # Switching pysqlite to manual transactions would commit it.
+                raise ConfigurationError(
+                    "this SQLite connection is shared with the application (StaticPool or "
+                    "SingletonThreadPool) and is inside the application's transaction: "
+                    "commit or roll back first, or give the worker an engine of its own"
+                )
             previous = getattr(driver, "isolation_level", "")
             driver.isolation_level = None  # type: ignore[union-attr]
             try:
@@ -90,22 +97,12 @@ class Dialect:
 
         SQLite takes the write lock at once. An engine with SQLAlchemy's pysqlite SAVEPOINT
         recipe (a ``begin`` event that emits ``BEGIN``) has just opened a deferred
-        transaction that has done nothing yet: it is replaced by an immediate one. A
-        connection shared with the application (StaticPool, SingletonThreadPool) that is
-        inside the application's transaction is refused, never committed or rolled back.
+        transaction that has done nothing yet: it is replaced by an immediate one.
         """
-        if not self.claim_takes_write_lock:
-            conn.begin()
-            return
-        driver = conn.connection.driver_connection
-        if getattr(driver, "in_transaction", False):
-            raise ConfigurationError(
-                "this SQLite connection is shared with the application (StaticPool or "
-                "SingletonThreadPool) and is inside the application's transaction: commit "
-                "or roll back first, or give the worker an engine of its own"
-            )
         conn.begin()
-        if getattr(driver, "in_transaction", False):
+        if not self.claim_takes_write_lock:
+            return
+        if getattr(conn.connection.driver_connection, "in_transaction", False):
             conn.exec_driver_sql("ROLLBACK")
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 

@@ -304,12 +304,9 @@ class JobRunner:
         return True
 
     def _give_up(self, connections: WorkerConnections) -> None:
-        """End a claim without an outcome, removing its run record while the job's row lock
-        is still held where the record has a connection of its own."""
-        if connections.ledger is not None:
-            self._forget(connections)
-            _rollback_quietly(connections.conn)
-            return
+        """End a claim without an outcome: roll it back, then remove its run record (the
+        rollback first, since the claim may hold the record's row lock). In between, the
+        record's live owner keeps any other claim from counting it as an unclean end."""
         _rollback_quietly(connections.conn)
         self._forget(connections)
 

@@ -38,8 +38,7 @@ def lock_errors(log: str) -> tuple[Counter[str], int]:
             found[kind] += bool(pattern.search(line))
     cut_off = sum(
         any(pattern.search(line) for pattern in LOCK_ERRORS.values())
-        for line in ff.events(log, "job-connection-lost")
-        + ff.events(log, "job-transaction-lost")
+        for line in ff.events(log, "job-connection-lost") + ff.events(log, "job-transaction-lost")
     )
     return found, cut_off
 

@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,7 @@ from alembic.config import Config
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util import coerce_resource_to_filename
+from sqlalchemy.orm import Session
 from sqlalchemy.schema import SchemaItem
 
 import sqla_proletarian as sp
@@ -391,3 +393,51 @@ def test_include_object_keeps_a_users_autogenerate_off_the_library_tables(
     assert {diff[1].name for diff in unfiltered if diff[0] == "remove_table"} == LIBRARY_TABLES
 
     assert differences(engine, user_metadata(), sp.include_object) == []
+
+
+def test_upgrading_from_the_first_revision_keeps_queued_jobs_and_drops_ownerless_run_records(
+    empty_database: Database,
+) -> None:
+    """sqlap_0001 -> sqlap_0002 on a database with a queued job and a 0.1 run record: the
+    job stays, the record (which could not tell a live worker from a dead one) goes, and the
+    job then runs with no unclean end counted."""
+    engine = empty_database.engine()
+    config = library_config()
+    run(config, engine, command.upgrade, spm.INITIAL_REVISION)
+    job_id = uuid.uuid4()
+    now = sp.utc_now()
+    with engine.begin() as conn:
+        conn.execute(
+            sa.insert(sp.Job.__table__).values(
+                job_id=job_id,
+                queue="default",
+                job_type="kept",
+                payload="{}",
+                attempts=0,
+                enqueued_at=now,
+                process_at=now,
+            )
+        )
+        # A 0.1 run record: the table has no owner column yet.
+        old_record = sa.table(
+            "proletarian_job_run",
+            sa.column("run_id", sa.Uuid()),
+            sa.column("job_id", sa.Uuid()),
+            sa.column("worker_id", sa.String()),
+            sa.column("started_at", sp.Job.__table__.c.enqueued_at.type),
+        )
+        conn.execute(
+            sa.insert(old_record).values(
+                run_id=uuid.uuid4(), job_id=job_id, worker_id="w", started_at=now
+            )
+        )
+    run(config, engine, command.upgrade, "heads")
+    assert versions_in_database(engine) == {spm.HEAD_REVISION}
+    assert differences(engine, sp.metadata) == []
+    with engine.connect() as conn:
+        assert conn.scalar(sa.select(sa.func.count()).select_from(sp.JobRun)) == 0
+        assert conn.scalar(sa.select(sa.func.count()).select_from(sp.Job)) == 1
+    assert sp.process_next_job(engine, lambda job_type, payload: None, max_unclean_ends=1)
+    with Session(engine) as session:
+        archived = session.get(sp.ArchivedJob, job_id)
+        assert archived is not None and (archived.status, archived.attempts) == ("success", 1)
