@@ -5,6 +5,9 @@ Backends: SQLite always; PostgreSQL and MariaDB from ``SP_TEST_POSTGRESQL_URL`` 
 ``SP_TEST_BACKENDS`` (comma list) narrows the run. Under ``CI`` a missing server is an error,
 never a silent skip.
 
+``SP_TEST_POSTGRESQL_DRIVER`` (e.g. ``psycopg2``) runs every PostgreSQL test through another
+driver; ``make test`` reruns the worker's conformance tests that way.
+
 ``driver_database`` runs a test once per driver of each backend (psycopg 3 and psycopg2 on
 PostgreSQL, PyMySQL on MariaDB, pysqlite): the same fresh database, reached through that
 driver. ``@pytest.mark.backends("postgresql", ...)`` narrows such a test to some backends.
@@ -127,7 +130,12 @@ def _create_database(backend: str, tmp_path: Path) -> tuple[URL, sa.Engine | Non
     admin = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
     with admin.connect() as conn:
         conn.exec_driver_sql(f"CREATE DATABASE {name}")
-    return admin_url.set(database=name), admin, name
+    url = admin_url.set(database=name)
+    driver = os.environ.get("SP_TEST_POSTGRESQL_DRIVER")
+    if backend == "postgresql" and driver:
+        require_driver(driver)
+        url = url.set(drivername=f"postgresql+{driver}")
+    return url, admin, name
 
 
 def _drop_database(backend: str, admin: sa.Engine | None, name: str) -> None:

@@ -19,6 +19,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 import sqla_proletarian as sp
+from sqla_proletarian.errors import mysql_errno, sqlstate
 
 if TYPE_CHECKING:
     from conftest import Database
@@ -68,10 +69,9 @@ def permission_denied(exc: BaseException) -> bool:
     if not isinstance(exc, sa.exc.DBAPIError):
         return False
     orig = exc.orig
-    if getattr(orig, "sqlstate", None) == PG_INSUFFICIENT_PRIVILEGE:
+    if sqlstate(orig) == PG_INSUFFICIENT_PRIVILEGE:
         return True
-    args = getattr(orig, "args", ())
-    return bool(args) and args[0] in MARIADB_ACCESS_DENIED
+    return mysql_errno(orig) in MARIADB_ACCESS_DENIED
 
 
 @dataclass
