@@ -28,10 +28,11 @@ def _tagged(kind: str, value: str) -> dict[str, str]:
 
 
 class JsonSerializer:
-    """Strict JSON: only values that come back equal are accepted.
+    """Strict JSON: every accepted value comes back equal, except that a tuple comes back
+    as a list (JSON has one sequence type).
 
-    Accepted: None, bool, int, finite float, str, list, tuple (returned as a list), dict with
-    str keys, datetime, date, UUID and Decimal. NaN and infinities, non-string keys, cycles,
+    Accepted: None, bool, int, finite float, str, list, tuple, dict with str keys, datetime,
+    date, UUID and Decimal. NaN and infinities, non-string keys, cycles,
     sets, bytes and arbitrary objects are refused with a message naming where they are.
     """
 
