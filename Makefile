@@ -5,6 +5,9 @@ SHELL := /bin/bash
 
 PYTHON ?= python3
 VENV := .venv
+# The oldest SQLAlchemy that pyproject.toml claims, tested in a venv of its own.
+SQLA_OLDEST := 2.0.30
+VENV_SQLA_OLDEST := .venv-sqla20
 STAMP := $(VENV)/.installed.stamp
 TESTDB := bash scripts/testdb.sh
 export SP_TESTDB_DIR ?= /tmp/sqla-proletarian-testdb
@@ -45,17 +48,25 @@ lint: venv
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 	$(VENV)/bin/mypy --strict sqla_proletarian
 
-test: venv lint
-	$(call with_testdb,$(VENV)/bin/pytest tests -q)
+# The whole suite; then the worker's conformance tests again through psycopg2 (what a plain
+# postgresql:// URL uses), and a subset on the oldest SQLAlchemy claimed.
+PSYCOPG2_TESTS := tests/integration/test_hardening.py tests/integration/test_worker_outcomes.py \
+	tests/integration/test_crash_loop.py tests/integration/test_concurrency.py \
+	tests/integration/test_shutdown.py tests/integration/test_privileges.py
+
+test: venv lint $(VENV_SQLA_OLDEST)/.installed.stamp
+	$(call with_testdb,$(VENV)/bin/pytest tests -q && \
+		SP_TEST_BACKENDS=postgresql SP_TEST_POSTGRESQL_DRIVER=psycopg2 \
+		$(VENV)/bin/pytest $(PSYCOPG2_TESTS) -q && \
+		$(SQLA_OLDEST_RUN))
 
 # The oldest SQLAlchemy that pyproject.toml claims, in a venv of its own: the unit tests and
 # the integration tests of enqueue, outcomes, app integrations and the examples, on every
 # backend. (`tox -e sqla-oldest,sqla-newest` runs the whole suite on 2.0.30 and on 2.1.)
-SQLA_OLDEST := 2.0.30
-VENV_SQLA_OLDEST := .venv-sqla20
 SQLA_OLDEST_TESTS := tests/unit tests/integration/test_enqueue.py \
 	tests/integration/test_worker_outcomes.py tests/integration/test_app_integrations.py \
-	tests/integration/test_flask_sqlalchemy_example.py tests/integration/test_examples.py
+	tests/integration/test_flask_sqlalchemy_example.py tests/integration/test_examples.py \
+	tests/integration/test_hardening.py tests/migrations
 
 $(VENV_SQLA_OLDEST)/.installed.stamp: pyproject.toml
 	test -x $(VENV_SQLA_OLDEST)/bin/python || $(PYTHON) -m venv $(VENV_SQLA_OLDEST)
@@ -63,11 +74,13 @@ $(VENV_SQLA_OLDEST)/.installed.stamp: pyproject.toml
 	$(VENV_SQLA_OLDEST)/bin/pip install -q -e '.[postgresql,mysql,dev]' 'sqlalchemy==$(SQLA_OLDEST)'
 	touch $@
 
+SQLA_OLDEST_RUN = $(VENV_SQLA_OLDEST)/bin/python -c \
+	"import sqlalchemy as sa; print('SQLAlchemy', sa.__version__); \
+	assert sa.__version__ == '$(SQLA_OLDEST)'" && \
+	$(VENV_SQLA_OLDEST)/bin/pytest $(SQLA_OLDEST_TESTS) -q
+
 test-sqla-oldest: $(VENV_SQLA_OLDEST)/.installed.stamp
-	$(call with_testdb,$(VENV_SQLA_OLDEST)/bin/python -c \
-		"import sqlalchemy as sa; print('SQLAlchemy', sa.__version__); \
-		assert sa.__version__ == '$(SQLA_OLDEST)'" && \
-		$(VENV_SQLA_OLDEST)/bin/pytest $(SQLA_OLDEST_TESTS) -q)
+	$(call with_testdb,$(SQLA_OLDEST_RUN))
 
 faults: venv
 	$(call with_testdb,SP_FAULT_REPORT=1 $(VENV)/bin/pytest tests/faults -q -s)

@@ -133,9 +133,10 @@ MYSQL_LOCK_CONFLICT_ERRNOS = frozenset({1205, 1213})
 
 
 def driver_error(exc: BaseException) -> BaseException | None:
-    """The driver's own exception behind ``exc`` (SQLAlchemy does not wrap every call)."""
-    if isinstance(exc, sa_exc.DBAPIError):
-        return exc.orig
+    """The driver's own exception behind ``exc`` (SQLAlchemy does not wrap every call, and
+    an ORM flush may wrap its DBAPIError in a StatementError)."""
+    if isinstance(exc, sa_exc.StatementError) and exc.orig is not None:
+        return exc.orig if isinstance(exc, sa_exc.DBAPIError) else driver_error(exc.orig)
     if type(exc).__module__.startswith(_DRIVER_MODULES):
         return exc
     return None

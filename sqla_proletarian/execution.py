@@ -359,9 +359,12 @@ class JobRunner:
             self._give_up(connections)
             return False
         if not isinstance(exc, Exception):
-            # SystemExit or another BaseException from the handler: the record stays and
-            # counts once this worker is gone, so a job that always exits cannot loop.
+            # SystemExit or another BaseException from the handler ends the worker as a
+            # dying process would: the run counts as an unclean end, so a job that always
+            # exits cannot loop.
             _rollback_quietly(conn)
+            if connections.record is not None and not connections.records_on.invalidated:
+                connections.record.disown(connections.records_on)
             return False
         lost_lock = isinstance(exc, JobTransactionLostError) or is_lock_conflict(exc)
         if lost_lock and not conn.invalidated:

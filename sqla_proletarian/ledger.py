@@ -12,7 +12,8 @@ starts, naming that handler's job. Its states, and who moves it between them:
   and by itself (``forget``) when it gives the run up while alive: a lost claim, a lock
   conflict, a lost connection, an interrupt, or a shutdown that could not wait for it.
 - **unclean end**: the owner is gone (the process died, or its session ended with it) while
-  the record still names a job. Only the job it names is charged.
+  the record still names a job, or the worker disowned it because the handler ended the
+  worker (``SystemExit``). Only the job it names is charged.
 
 A claim counts the records of its job whose owner is gone; a record whose owner lives is
 never counted, since its run is still in flight or being cleaned up. Records of a job leave
@@ -159,6 +160,23 @@ class RunRecord:
     def ended(self) -> None:
         """The outcome's commit removed the record."""
         self.run_id = self.job_id = None
+
+    def disown(self, conn: Connection) -> None:
+        """Count the run as an unclean end at once: its handler ended the worker (a
+        ``SystemExit``), as a dying process would, but the process may live on."""
+        if self.run_id is None or self.job_id is None:
+            return
+        try:
+            # Replaced by an ownerless record (INSERT and DELETE: the grants the ledger has).
+            conn.execute(*sql.end_run(self.run_id))
+            conn.execute(
+                *sql.start_run(uuid.uuid4(), self.job_id, self.worker, None, self.clock())
+            )
+            if conn.in_transaction():
+                conn.commit()
+        except Exception as exc:
+            log_event(logging.WARNING, "run-record-cleanup-error", error=repr(exc))
+        self.ended()
 
     def forget(self, conn: Connection) -> bool:
         """Remove the record of a run this live worker gives up; True if it is gone."""

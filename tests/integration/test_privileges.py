@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 import sqla_proletarian as sp
-from sqla_proletarian.errors import mysql_errno, sqlstate
+from sqla_proletarian.errors import driver_error, mysql_errno, sqlstate
 
 if TYPE_CHECKING:
     from conftest import Database
@@ -66,9 +66,10 @@ MARIADB_ACCESS_DENIED = {1044, 1142, 1143}
 
 def permission_denied(exc: BaseException) -> bool:
     """Whether a database error is the server refusing for lack of a privilege."""
-    if not isinstance(exc, sa.exc.DBAPIError):
+    # SQLAlchemy 2.0 wraps an ORM flush's DBAPIError in a StatementError.
+    orig = driver_error(exc)
+    if orig is None:
         return False
-    orig = exc.orig
     if sqlstate(orig) == PG_INSUFFICIENT_PRIVILEGE:
         return True
     return mysql_errno(orig) in MARIADB_ACCESS_DENIED
@@ -254,7 +255,7 @@ def enqueue_both_ways(enqueuer: Role, queue: str) -> list[uuid.UUID]:
 
 
 def assert_refused(action: Callable[[], object]) -> None:
-    with pytest.raises(sa.exc.DBAPIError) as info:
+    with pytest.raises(sa.exc.StatementError) as info:
         action()
     assert permission_denied(info.value), info.value
 
@@ -319,7 +320,7 @@ def test_every_documented_worker_grant_is_needed(roles: Roles, engine: sa.Engine
     for number, grant in enumerate(grants):
         worker.revoke(grant)
         try:
-            with pytest.raises(sa.exc.DBAPIError) as info:
+            with pytest.raises(sa.exc.StatementError) as info:
                 exercise_worker(engine, worker, f"without-{number}")
             assert permission_denied(info.value), (grant, info.value)
         finally:
@@ -333,7 +334,7 @@ def test_every_documented_enqueue_grant_is_needed(roles: Roles) -> None:
     for grant in grants:
         enqueuer.revoke(grant)
         try:
-            with pytest.raises(sa.exc.DBAPIError) as info:
+            with pytest.raises(sa.exc.StatementError) as info:
                 enqueue_both_ways(enqueuer, "needed")
             assert permission_denied(info.value), (grant, info.value)
         finally:

@@ -88,7 +88,12 @@ def library_schema(engine: sa.Engine) -> dict[str, dict[str, Any]]:
             "primary_key": inspector.get_pk_constraint(table),
             "unique": sorted(inspector.get_unique_constraints(table), key=lambda c: str(c["name"])),
             "indexes": sorted(inspector.get_indexes(table), key=lambda i: str(i["name"])),
-            "options": inspector.get_table_options(table),
+            # Table options exist on MySQL only (SQLAlchemy 2.0 raises elsewhere).
+            "options": (
+                inspector.get_table_options(table)
+                if engine.dialect.name in ("mysql", "mariadb")
+                else {}
+            ),
         }
     return schema
 
