@@ -169,9 +169,7 @@ class RunRecord:
         try:
             # Replaced by an ownerless record (INSERT and DELETE: the grants the ledger has).
             conn.execute(*sql.end_run(self.run_id))
-            conn.execute(
-                *sql.start_run(uuid.uuid4(), self.job_id, self.worker, None, self.clock())
-            )
+            conn.execute(*sql.start_run(uuid.uuid4(), self.job_id, self.worker, None, self.clock()))
             if conn.in_transaction():
                 conn.commit()
         except Exception as exc:
