@@ -1,6 +1,6 @@
 """sqla-proletarian: a durable, transactional job queue for SQLAlchemy applications."""
 
-from sqla_proletarian.enqueue import enqueue
+from sqla_proletarian.enqueue import enqueue, enqueue_many
 from sqla_proletarian.errors import (
     ConfigurationError,
     InvalidJobError,
@@ -56,6 +56,7 @@ __all__ = [
     "WorkerOptions",
     "create_queue_worker",
     "enqueue",
+    "enqueue_many",
     "include_object",
     "metadata",
     "process_next_job",

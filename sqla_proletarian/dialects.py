@@ -52,6 +52,9 @@ class Dialect:
     #: Whether an error can roll back the whole transaction, savepoints and row locks
     #: included (InnoDB on a deadlock), so that the worker must check its savepoint.
     errors_end_transaction: bool = False
+    #: Whether many jobs are enqueued with one ``INSERT ... SELECT unnest(...)`` (PostgreSQL
+    #: arrays) rather than an executemany (which PyMySQL sends as multi-row INSERTs).
+    bulk_insert_unnest: bool = False
 
     @contextmanager
     def claim_connection(self, engine: Engine) -> Iterator[Connection]:
@@ -175,6 +178,7 @@ DIALECTS: dict[str, Dialect] = {
         ledger_setup=("SET synchronous_commit TO OFF",),
         ledger_reset=("RESET synchronous_commit",),
         deletes_runs_with_job=True,
+        bulk_insert_unnest=True,
     ),
     "mysql": Dialect("mysql", **_MYSQL),  # type: ignore[arg-type]
     "mariadb": Dialect("mariadb", **_MYSQL),  # type: ignore[arg-type]

@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session, scoped_session
 
-from sqla_proletarian.errors import NotATransactionError, ProletarianError
+from sqla_proletarian.dialects import dialect_of
+from sqla_proletarian.errors import (
+    InvalidJobError,
+    NotATransactionError,
+    PayloadSerializationError,
+    ProletarianError,
+)
 from sqla_proletarian.models import Job
-from sqla_proletarian.statements import insert_job
+from sqla_proletarian.statements import insert_job, insert_jobs
 from sqla_proletarian.values import DEFAULT_QUEUE, build_job_values
 
 #: What enqueue() joins: a Session (or a subclass, such as SQLModel's), a scoped_session
@@ -64,16 +71,87 @@ def enqueue(
         session_or_connection.execute(*insert_job(values))
         job_id: uuid.UUID = values["job_id"]
         return job_id
-    if isinstance(session_or_connection, Engine):
-        raise NotATransactionError(
-            "enqueue() was given an Engine, which has no transaction to join, so the job "
-            "could not commit or roll back with your data. Pass the Session or Connection "
-            "of the transaction the job belongs to (e.g. `with engine.begin() as conn: "
-            "enqueue(conn, ...)`)."
+    raise _not_a_transaction(session_or_connection, "enqueue")
+
+
+#: Jobs per INSERT statement of enqueue_many.
+ENQUEUE_MANY_CHUNK = 1000
+
+
+def enqueue_many(
+    session_or_connection: Transaction,
+    jobs: Iterable[tuple[str, Any]],
+    *,
+    queue: str = DEFAULT_QUEUE,
+    process_at: datetime | None = None,
+    process_in: timedelta | float | None = None,
+    **options: Any,
+) -> list[uuid.UUID]:
+    """Add many jobs, ``(job_type, payload)`` pairs, to the caller's transaction; their ids
+    in order. Never commits.
+
+    Every job is validated before anything is written: a bad one raises ``InvalidJobError``
+    naming its index, and nothing is written. The rows go in one statement per 1,000 jobs,
+    through the Session's connection in its transaction, or the Connection's. Further
+    keyword options, for every job: ``serializer``, ``job_id_strategy``, ``clock``.
+    """
+    if "job_id" in options:
+        raise InvalidJobError(
+            "job_id", "enqueue_many() makes one id per job; give job_id_strategy instead"
         )
-    raise NotATransactionError(
-        f"enqueue() needs a sqlalchemy Session or Connection, not "
-        f"{type(session_or_connection).__name__}"
+    connection = _connection_of(session_or_connection, "enqueue_many")
+    rows: list[dict[str, Any]] = []
+    for index, job in enumerate(jobs):
+        try:
+            job_type, payload = job
+        except (TypeError, ValueError):
+            raise InvalidJobError(
+                f"jobs[{index}]", f"{job!r} is not a (job_type, payload) pair"
+            ) from None
+        try:
+            rows.append(
+                build_job_values(
+                    job_type,
+                    payload,
+                    queue=queue,
+                    process_at=process_at,
+                    process_in=process_in,
+                    **options,
+                )
+            )
+        except PayloadSerializationError as exc:
+            raise PayloadSerializationError(f"jobs[{index}]: {exc}", exc.payload) from exc
+        except InvalidJobError as exc:
+            raise InvalidJobError(f"jobs[{index}]", str(exc)) from exc
+    unnest = dialect_of(connection).bulk_insert_unnest
+    for start in range(0, len(rows), ENQUEUE_MANY_CHUNK):
+        connection.execute(*insert_jobs(rows[start : start + ENQUEUE_MANY_CHUNK], unnest=unnest))
+    return [row["job_id"] for row in rows]
+
+
+def _connection_of(session_or_connection: Transaction, caller: str) -> Connection:
+    """The Connection of the caller's transaction (a Session's, in its transaction)."""
+    if isinstance(session_or_connection, scoped_session):
+        session_or_connection = session_or_connection()
+    if isinstance(session_or_connection, Session):
+        _check_session(session_or_connection)
+        return session_or_connection.connection()
+    if isinstance(session_or_connection, Connection):
+        _check_connection(session_or_connection)
+        return session_or_connection
+    raise _not_a_transaction(session_or_connection, caller)
+
+
+def _not_a_transaction(value: object, caller: str) -> NotATransactionError:
+    if isinstance(value, Engine):
+        return NotATransactionError(
+            f"{caller}() was given an Engine, which has no transaction to join, so the job "
+            "could not commit or roll back with your data. Pass the Session or Connection "
+            f"of the transaction the job belongs to (e.g. `with engine.begin() as conn: "
+            f"{caller}(conn, ...)`)."
+        )
+    return NotATransactionError(
+        f"{caller}() needs a sqlalchemy Session or Connection, not {type(value).__name__}"
     )
 
 

@@ -6,7 +6,7 @@ import uuid
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from sqlalchemy import BigInteger, Index, Integer, MetaData, String, Text, Uuid
+from sqlalchemy import BigInteger, Column, Index, Integer, MetaData, String, Table, Text, Uuid
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.schema import SchemaItem
 
@@ -47,28 +47,40 @@ class Job(Base):
     ``payload`` holds the serialized text; the handler receives the decoded value.
     """
 
-    __tablename__ = JOB_TABLE
-    __table_args__ = (
+    # ``seq`` (the table's key) orders equal ``process_at`` values by enqueue order. The ORM
+    # identifies jobs by ``job_id`` (so ``session.get(Job, job_id)`` works) and leaves ``seq``
+    # to the database: a flush of many jobs is one executemany, and one job is one INSERT
+    # (with ``RETURNING seq`` on PostgreSQL instead of a ``nextval()`` round trip). Query it
+    # as ``Job.__table__.c.seq``.
+    __table__ = Table(
+        JOB_TABLE,
+        metadata,
+        Column(
+            "seq",
+            BigInteger().with_variant(Integer(), "sqlite"),
+            primary_key=True,
+            autoincrement=True,
+        ),
+        Column("job_id", Uuid(), nullable=False, unique=True),
+        Column("queue", name_type(), nullable=False),
+        Column("job_type", name_type(), nullable=False),
+        Column("payload", payload_type(), nullable=False),
+        Column("attempts", Integer(), nullable=False, default=0),
+        Column("enqueued_at", UTCDateTime(), nullable=False),
+        Column("process_at", UTCDateTime(), nullable=False),
         Index("ix_proletarian_job_poll", "queue", "process_at", "seq"),
-        # Jobs are known by their client-made job_id: an enqueue need not read ``seq`` back,
-        # so an enqueue-only role needs no SELECT grant.
-        {**_MYSQL_TABLE_ARGS, "implicit_returning": False},
+        mysql_engine=_MYSQL_TABLE_ARGS["mysql_engine"],
+        mysql_charset=_MYSQL_TABLE_ARGS["mysql_charset"],
     )
+    __mapper_args__ = {"primary_key": ["job_id"], "exclude_properties": ["seq"]}  # noqa: RUF012
 
-    # ``seq`` (the table's key) orders equal ``process_at`` values by enqueue order; the ORM
-    # identifies jobs by ``job_id``, so ``session.get(Job, job_id)`` works.
-    __mapper_args__ = {"primary_key": ["job_id"]}  # noqa: RUF012
-
-    seq: Mapped[int] = mapped_column(
-        BigInteger().with_variant(Integer(), "sqlite"), primary_key=True, autoincrement=True
-    )
-    job_id: Mapped[uuid.UUID] = mapped_column(Uuid(), unique=True)
-    queue: Mapped[str] = mapped_column(name_type())
-    job_type: Mapped[str] = mapped_column(name_type())
-    payload: Mapped[str] = mapped_column(payload_type())
-    attempts: Mapped[int] = mapped_column(Integer(), default=0)
-    enqueued_at: Mapped[datetime] = mapped_column(UTCDateTime())
-    process_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    job_id: Mapped[uuid.UUID]
+    queue: Mapped[str]
+    job_type: Mapped[str]
+    payload: Mapped[str]
+    attempts: Mapped[int]
+    enqueued_at: Mapped[datetime]
+    process_at: Mapped[datetime]
 
     def __init__(
         self,

@@ -30,7 +30,7 @@ from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqla_proletarian.dialects import ArchiveUpsert, OwnerLock
 from sqla_proletarian.models import ArchivedJob, Job, JobRun
 
-JOB = cast(Table, Job.__table__)
+JOB = Job.__table__
 ARCHIVE = cast(Table, ArchivedJob.__table__)
 RUN = cast(Table, JobRun.__table__)
 
@@ -79,12 +79,44 @@ def poll(queue: str, now: datetime, limit: int = 1, *, with_runs: bool = False) 
     return _poll(limit, with_runs), {"queue": queue, "now": now}
 
 
-_INSERT_JOB = insert(JOB)
+#: Inline: ``seq`` comes from the server's default, with no ``nextval()`` round trip first
+#: and nothing read back (an enqueue-only role needs no SELECT).
+_INSERT_JOB = insert(JOB).inline()
+
+#: The columns an enqueue writes, in order (``seq`` is the server's).
+ENQUEUED_COLUMNS = (
+    "job_id",
+    "queue",
+    "job_type",
+    "payload",
+    "attempts",
+    "enqueued_at",
+    "process_at",
+)
 
 
 def insert_job(values: dict[str, Any]) -> Statement:
     """Enqueue one job (the caller's transaction commits it)."""
     return _INSERT_JOB, values
+
+
+@cache
+def _insert_jobs_unnest() -> Executable:
+    arrays = [
+        func.unnest(bindparam(name, type_=postgresql.ARRAY(JOB.c[name].type))).label(name)
+        for name in ENQUEUED_COLUMNS
+    ]
+    return insert(JOB).from_select(list(ENQUEUED_COLUMNS), select(*arrays))
+
+
+def insert_jobs(rows: list[dict[str, Any]], *, unnest: bool) -> tuple[Executable, Any]:
+    """Enqueue many jobs in one statement: ``INSERT ... SELECT unnest(...)`` of one array per
+    column (PostgreSQL), or an executemany that the driver sends as multi-row INSERTs."""
+    if unnest:
+        return _insert_jobs_unnest(), {
+            name: [row[name] for row in rows] for name in ENQUEUED_COLUMNS
+        }
+    return _INSERT_JOB, rows
 
 
 _RELOCK = (

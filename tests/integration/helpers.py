@@ -65,7 +65,9 @@ def jobs(engine: sa.Engine) -> list[sp.Job]:
     """Every row of the job table, in poll order."""
     with Session(engine) as session:
         return list(
-            session.scalars(sa.select(sp.Job).order_by(sp.Job.process_at, sp.Job.seq)).all()
+            session.scalars(
+                sa.select(sp.Job).order_by(sp.Job.process_at, sp.Job.__table__.c.seq)
+            ).all()
         )
 
 

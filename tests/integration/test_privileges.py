@@ -48,10 +48,12 @@ WORKER_GRANTS: list[Grant] = [
     ("DELETE", "proletarian_job_run"),
 ]
 ENQUEUER_GRANTS: dict[str, list[Grant]] = {
-    # BIGSERIAL's nextval() needs USAGE on its sequence. The enqueue reads nothing back
-    # (no RETURNING: jobs are known by their client-made job_id), so no SELECT is needed.
+    # BIGSERIAL's nextval() needs USAGE on its sequence. A Session's flush of one job reads
+    # back the server-made seq (INSERT ... RETURNING seq: one round trip, not a nextval()
+    # first), which needs SELECT on that one column; payloads stay unreadable.
     "postgresql": [
         ("INSERT", "proletarian_job"),
+        ("SELECT (seq)", "proletarian_job"),
         ("USAGE", "SEQUENCE proletarian_job_seq_seq"),
     ],
     "mariadb": [("INSERT", "proletarian_job")],
