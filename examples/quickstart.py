@@ -146,7 +146,8 @@ def tour(engine: sa.Engine) -> int:
         sp.enqueue(session, "sync-to-crm", {"email": "ada@example.com"})
         sp.enqueue(session, "charge-card", {"email": "ada@example.com", "cents": 4200})
         session.commit()
-        waiting = session.scalars(sa.select(sp.Job.job_type).order_by(sp.Job.seq)).all()
+        in_order = sp.Job.__table__.c.seq  # enqueue order
+        waiting = session.scalars(sa.select(sp.Job.job_type).order_by(in_order)).all()
     say(f"   the queue holds {len(waiting)} jobs: {', '.join(waiting)}\n")
 
     say("4. Start a worker and let it work off the queue.")

@@ -61,6 +61,8 @@ class RunSettings:
     clock: Clock
     worker_id: str
     max_unclean_ends: int | None
+    #: Jobs claimed in one transaction (SQLite: always 1).
+    batch_size: int = 1
 
 
 @dataclass
@@ -106,6 +108,8 @@ class _Claim:
     run_id: uuid.UUID | None = None
     #: "claimed" until the handler starts, then "running".
     phase: Literal["claimed", "running"] = "claimed"
+    #: Succeeded, and archived with the claim's other successes when it finishes.
+    deferred: bool = False
     started: float = field(default_factory=time.monotonic)
 
 
@@ -143,6 +147,8 @@ class JobRunner:
         #: Whether runs are recorded (the crash ledger), and on a connection of their own.
         self._tracked = settings.max_unclean_ends is not None
         self._separate_ledger = self._tracked and self.dialect.separate_ledger
+        # SQLite commits each run record before its handler, and with it the claim.
+        self._batch_size = 1 if self.dialect.claim_takes_write_lock else settings.batch_size
         #: Where run records this process gave up but could not remove are kept for later.
         self._database = engine.url.render_as_string(hide_password=True)
         #: The connections of threads whose handler is running, by thread id.
@@ -229,22 +235,29 @@ class JobRunner:
         if self._stopping():
             return False
         conn = connections.conn
-        claim: _Claim | None = None
         thread = threading.get_ident()
+        claim: _Claim | None = None
+        done: list[tuple[_Claim, Outcome, Failure | None]] = []
         self.dialect.begin_claim(conn)
         try:
-            claim = self._claim(connections)
-            if claim is None:
+            claims = self._claim(connections)
+            if not claims:
                 conn.commit()
                 return False
-            if not self._begin_run(connections, claim) or self._stopping():
-                # The job was taken meanwhile (SQLite), or stop() was called: no handler
-                # starts after stop().
+            self._in_flight[thread] = connections
+            for claim in claims:
+                if self._stopping() or not self._begin_run(connections, claim):
+                    # stop() was called (no handler starts after it: the jobs not yet run
+                    # are released at the commit), or the job was taken meanwhile (SQLite).
+                    break
+                claim.phase = "running"
+                done.append((claim, *self._run(conn, claim)))
+            if not done:
+                assert claim is not None
+                claim.phase = "claimed"
                 self._give_up(connections)
                 return False
-            self._in_flight[thread] = connections
-            claim.phase = "running"
-            outcome, failure = self._run(conn, claim)
+            self._finish_claim(conn, connections, done)
             conn.commit()
             if connections.record is not None:
                 connections.record.ended()
@@ -261,11 +274,45 @@ class JobRunner:
             raise
         finally:
             self._in_flight.pop(thread, None)
-        self._finished(claim.job, outcome, failure)
+        for finished, outcome, failure in done:
+            self._finished(finished.job, outcome, failure)
         return True
 
-    def _claim(self, connections: WorkerConnections) -> _Claim | None:
-        """Lock the next due job, if any, and count its runs that ended with their worker."""
+    def _finish_claim(
+        self,
+        conn: Connection,
+        connections: WorkerConnections,
+        done: list[tuple[_Claim, Outcome, Failure | None]],
+    ) -> None:
+        """Archive the claim's succeeded jobs together and remove the claim's run record, in
+        its transaction; a job row that is gone means the transaction lost its locks."""
+        succeeded = [c.job["job_id"] for c, _, _ in done if c.deferred]
+        ended = [c.job["job_id"] for c, outcome, _ in done if outcome != "retried"]
+        record = connections.record
+        own = record.run_id if record is not None else None
+        if not succeeded:
+            if ended or own is not None:
+                conn.execute(*sql.end_claim_runs(ended, own))
+            return
+        statements = sql.archive_succeeded(
+            succeeded,
+            ended,
+            own,
+            self.now(),
+            upsert=self.dialect.archive_upsert,
+            returning=self.dialect.deletes_runs_with_job,
+        )
+        counted = [conn.execute(*statement).rowcount for statement in statements]
+        # The job rows the archive insert read (PostgreSQL) or the job delete removed.
+        removed = counted[0] if len(counted) == 1 else counted[1]
+        if removed != len(succeeded):
+            raise JobTransactionLostError(
+                f"{len(succeeded) - removed} of the claim's {len(succeeded)} job rows were "
+                "gone when their success was recorded: the claim lost its row locks"
+            )
+
+    def _claim(self, connections: WorkerConnections) -> list[_Claim]:
+        """Lock the next due jobs, if any, and count their runs that ended with their worker."""
         conn = connections.conn
         log_event(
             logging.DEBUG,
@@ -273,14 +320,15 @@ class JobRunner:
             worker_id=self.settings.worker_id,
             queue=self.settings.queue,
         )
-        claim = sql.poll(self.settings.queue, self.now(), with_runs=self._tracked)
-        row = conn.execute(*claim).mappings().first()
-        if row is None:
-            return None
-        job = dict(row)
-        records = job.pop("runs", 0)
-        unclean = ledger.unclean_ends(self.dialect, conn, job["job_id"], records)
-        return _Claim(job, unclean)
+        claim = sql.poll(self.settings.queue, self.now(), self._batch_size, with_runs=self._tracked)
+        claims = []
+        for row in conn.execute(*claim).mappings().all():
+            job = dict(row)
+            records = job.pop("runs", 0)
+            claims.append(
+                _Claim(job, ledger.unclean_ends(self.dialect, conn, job["job_id"], records))
+            )
+        return claims
 
     def _begin_run(self, connections: WorkerConnections, claim: _Claim) -> bool:
         """Record the run before the handler starts; False if the job was lost meanwhile."""
@@ -462,7 +510,7 @@ class JobRunner:
             if limit is not None and claim.unclean_ends >= limit:
                 crashed = JobCrashedError(job["job_id"], claim.unclean_ends)
                 log_event(logging.ERROR, "job-crashed", **fields, unclean_ends=claim.unclean_ends)
-                return self._fail(conn, job, context, crashed, runs - 1)
+                return self._fail(conn, claim, context, crashed, runs - 1)
             if claim.unclean_ends:
                 log_event(
                     logging.WARNING, "job-interrupted", **fields, unclean_ends=claim.unclean_ends
@@ -484,7 +532,10 @@ class JobRunner:
                     raise
                 log_event(logging.WARNING, "handle-job-exception", **fields, error=repr(exc))
                 return self._after_exception(conn, claim, context, exc, runs)
-            self._archive(conn, job, "success", runs, None)
+            if claim.unclean_ends:
+                self._archive(conn, job, "success", runs, None, with_runs=False)
+            else:
+                claim.deferred = True
             log_event(logging.DEBUG, "job-finished", **fields)
             return "succeeded", None
         finally:
@@ -530,14 +581,11 @@ class JobRunner:
                 error=repr(error),
                 hint="the retry could not be scheduled; the job is archived as failed",
             )
-            return self._fail(conn, job, context, exc, runs)
+            return self._fail(conn, claim, context, exc, runs)
         if retry_at is None:
             log_event(logging.INFO, "not-retrying", **fields)
-            return self._fail(conn, job, context, exc, runs)
+            return self._fail(conn, claim, context, exc, runs)
         _expect_one(conn.execute(*sql.retry(job["job_id"], retry_at)), "retry")
-        if claim.run_id is not None:
-            # The run's record leaves with the retry, in the same transaction.
-            conn.execute(*sql.end_run(claim.run_id))
         log_event(
             logging.INFO, "retrying", **fields, retry_at=retry_at.isoformat(), retries_left=left
         )
@@ -563,19 +611,27 @@ class JobRunner:
     def _fail(
         self,
         conn: Connection,
-        job: dict[str, Any],
+        claim: _Claim,
         context: JobContext,
         exc: Exception,
         attempts: int,
     ) -> tuple[Outcome, Failure | None]:
-        self._archive(conn, job, "failure", attempts, describe(exc))
+        self._archive(conn, claim.job, "failure", attempts, describe(exc), with_runs=False)
         return "failed", (context, exc)
 
     def _archive(
-        self, conn: Connection, job: dict[str, Any], status: str, attempts: int, error: str | None
+        self,
+        conn: Connection,
+        job: dict[str, Any],
+        status: str,
+        attempts: int,
+        error: str | None,
+        *,
+        with_runs: bool = True,
     ) -> None:
-        """Archive the job with its outcome and remove it from the queue with its run records
-        (also leftovers of runs recorded while crash accounting was on)."""
+        """Archive the job with its outcome and remove it from the queue, with its run records
+        (also leftovers of runs recorded while crash accounting was on) unless the claim
+        removes them when it finishes (``with_runs=False``)."""
         conn.execute(
             *sql.archive(
                 job,
@@ -586,10 +642,11 @@ class JobRunner:
                 upsert=self.dialect.archive_upsert,
             )
         )
-        if self.dialect.deletes_runs_with_job:
+        if with_runs and self.dialect.deletes_runs_with_job:
             _expect_one(conn.execute(*sql.delete_job_and_runs(job["job_id"])), "delete")
-        else:
-            _expect_one(conn.execute(*sql.delete_job(job["job_id"])), "delete")
+            return
+        _expect_one(conn.execute(*sql.delete_job(job["job_id"])), "delete")
+        if with_runs:
             conn.execute(*sql.end_runs(job["job_id"]))
 
     def _finished(self, job: dict[str, Any], outcome: Outcome, failure: Failure | None) -> None:

@@ -18,14 +18,19 @@ from sqlalchemy import (
     Select,
     String,
     Table,
+    Uuid,
     bindparam,
     delete,
     func,
     insert,
+    literal,
+    null,
     select,
     update,
 )
 from sqlalchemy.dialects import mysql, postgresql, sqlite
+from sqlalchemy.sql.dml import Insert
+from sqlalchemy.sql.elements import BindParameter
 
 from sqla_proletarian.dialects import ArchiveUpsert, OwnerLock
 from sqla_proletarian.models import ArchivedJob, Job, JobRun
@@ -197,9 +202,12 @@ _END_RUNS = delete(RUN).where(RUN.c.job_id == bindparam("job_id"))
 #: PostgreSQL removes the job and its run records in one statement.
 _DELETE_JOB_AND_RUNS = _DELETE_JOB.add_cte(_END_RUNS.cte("ended_runs"))
 
+#: Stands for "no run record of the claim's own".
+NO_RUN = uuid.UUID(int=0)
+
 
 def delete_job(job_id: uuid.UUID) -> Statement:
-    """Remove a finished job from the queue."""
+    """Remove a finished job from the queue (its run records go when the claim finishes)."""
     return _DELETE_JOB, {"job_id": job_id}
 
 
@@ -211,6 +219,116 @@ def end_runs(job_id: uuid.UUID) -> Statement:
 def delete_job_and_runs(job_id: uuid.UUID) -> Statement:
     """Remove a finished job and its run records at once (PostgreSQL)."""
     return _DELETE_JOB_AND_RUNS, {"job_id": job_id}
+
+
+# --- finishing a claim: every succeeded job archived in as few statements as possible ------
+
+_IDS: BindParameter[Any] = bindparam("ids", expanding=True)
+_SUCCEEDED = (
+    JOB.c.job_id,
+    JOB.c.queue,
+    JOB.c.job_type,
+    JOB.c.payload,
+    JOB.c.attempts,
+    JOB.c.enqueued_at,
+    JOB.c.process_at,
+)
+_ARCHIVED_COLUMNS = [*(c.name for c in _SUCCEEDED), "status", "finished_at", "error"]
+
+
+def _as_archived(columns: Any) -> Select[Any]:
+    """The archive row of a succeeded job from its queue row: one more attempt, success."""
+    return select(
+        columns.job_id,
+        columns.queue,
+        columns.job_type,
+        columns.payload,
+        columns.attempts + 1,
+        columns.enqueued_at,
+        columns.process_at,
+        literal("success", String(16)),
+        bindparam("now", type_=ARCHIVE.c.finished_at.type),
+        null(),
+    )
+
+
+def _upserted(upsert: ArchiveUpsert, rows: Select[Any]) -> Insert:
+    if upsert == "postgresql_on_conflict":
+        pg = postgresql.insert(ARCHIVE).from_select(_ARCHIVED_COLUMNS, rows)
+        return pg.on_conflict_do_update(
+            index_elements=[ARCHIVE.c.job_id],
+            set_={name: pg.excluded[name] for name in _ARCHIVE_REPLACED},
+        )
+    if upsert == "sqlite_on_conflict":
+        lite = sqlite.insert(ARCHIVE).from_select(_ARCHIVED_COLUMNS, rows)
+        return lite.on_conflict_do_update(
+            index_elements=[ARCHIVE.c.job_id],
+            set_={name: lite.excluded[name] for name in _ARCHIVE_REPLACED},
+        )
+    if upsert == "mysql_on_duplicate_key":
+        my = mysql.insert(ARCHIVE).from_select(_ARCHIVED_COLUMNS, rows)
+        return my.on_duplicate_key_update({name: my.inserted[name] for name in _ARCHIVE_REPLACED})
+    return insert(ARCHIVE).from_select(_ARCHIVED_COLUMNS, rows)
+
+
+#: The run records of every job the claim ended, and the claim's own record. Removed only
+#: when the claim finishes: until then the ledger's connection moves the claim's record from
+#: job to job, and a delete in the claim's transaction could lock it (InnoDB locks what it
+#: scans).
+_ENDED: BindParameter[Any] = bindparam("ended", expanding=True)
+_CLAIM_RUNS = delete(RUN).where(
+    RUN.c.job_id.in_(_ENDED) | (RUN.c.run_id == bindparam("own", type_=Uuid()))
+)
+
+
+@cache
+def _succeeded_returning(upsert: ArchiveUpsert) -> Executable:
+    done = delete(JOB).where(JOB.c.job_id.in_(_IDS)).returning(*_SUCCEEDED).cte("done")
+    statement = (
+        _upserted(upsert, _as_archived(done.c)).add_cte(done).add_cte(_CLAIM_RUNS.cte("runs"))
+    )
+    return statement.execution_options(preserve_rowcount=True)
+
+
+@cache
+def _succeeded_copy(upsert: ArchiveUpsert) -> Executable:
+    copied = _as_archived(JOB.c).where(JOB.c.job_id.in_(_IDS))
+    return _upserted(upsert, copied)
+
+
+_DELETE_JOBS = delete(JOB).where(JOB.c.job_id.in_(_IDS))
+
+
+def end_claim_runs(ended: list[uuid.UUID], own_run: uuid.UUID | None) -> Statement:
+    """Remove the run records of the jobs a claim ended, and the claim's own."""
+    return _CLAIM_RUNS, {"ended": ended or [NO_RUN], "own": own_run or NO_RUN}
+
+
+def archive_succeeded(
+    job_ids: list[uuid.UUID],
+    ended: list[uuid.UUID],
+    own_run: uuid.UUID | None,
+    now: datetime,
+    *,
+    upsert: ArchiveUpsert,
+    returning: bool,
+) -> list[Statement]:
+    """Archive the succeeded jobs of a claim from their queue rows (their payloads never
+    travel back) and remove them, then the run records of every job the claim ended
+    (``ended``) and the claim's own record.
+
+    One statement where ``DELETE ... RETURNING`` can feed the archive (PostgreSQL); else an
+    ``INSERT ... SELECT`` and two deletes. The first statement's row count (PostgreSQL) or
+    the job delete's tells whether every job row was still there.
+    """
+    runs = end_claim_runs(ended, own_run)
+    if returning:
+        return [(_succeeded_returning(upsert), {"ids": job_ids, "now": now, **runs[1]})]
+    return [
+        (_succeeded_copy(upsert), {"ids": job_ids, "now": now}),
+        (_DELETE_JOBS, {"ids": job_ids}),
+        runs,
+    ]
 
 
 _RETRY = (
@@ -305,3 +423,65 @@ def release_owner(kind: OwnerLock, owner: str) -> Statement:
 def owner_gone(kind: OwnerLock, owner: str) -> Statement:
     """Whether the owner's lock is free, i.e. the session that held it has ended."""
     return _FREE[kind], _owner_params(kind, owner)
+
+
+# --- archive housekeeping ---
+
+
+#: MySQL and MariaDB would rather scan the table and sort when a status filter matches many
+#: rows; batch after batch, the index reads each old row once.
+_BY_FINISHED_AT = "FORCE INDEX (ix_proletarian_archived_job_finished_at)"
+
+
+@cache
+def _archived_batch(by_status: bool, after: bool) -> Select[Any]:
+    conditions = [ARCHIVE.c.finished_at < bindparam("cutoff")]
+    if after:
+        conditions.append(ARCHIVE.c.finished_at >= bindparam("after"))
+    if by_status:
+        conditions.append(ARCHIVE.c.status == bindparam("status"))
+    return (
+        select(ARCHIVE.c.job_id, ARCHIVE.c.finished_at)
+        .with_hint(ARCHIVE, _BY_FINISHED_AT, "mysql")
+        .with_hint(ARCHIVE, _BY_FINISHED_AT, "mariadb")
+        .where(*conditions)
+        .order_by(ARCHIVE.c.finished_at)
+        .limit(bindparam("batch_size", type_=BigInteger))
+    )
+
+
+def archived_batch(
+    cutoff: datetime,
+    batch_size: int,
+    *,
+    status: str | None = None,
+    after: datetime | None = None,
+) -> Statement:
+    """The oldest archived jobs finished before ``cutoff`` (from ``after`` on), by index."""
+    params: dict[str, Any] = {"cutoff": cutoff, "batch_size": batch_size}
+    if status is not None:
+        params["status"] = status
+    if after is not None:
+        params["after"] = after
+    return _archived_batch(status is not None, after is not None), params
+
+
+@cache
+def _delete_archived(by_status: bool) -> Executable:
+    conditions = [
+        ARCHIVE.c.job_id.in_(bindparam("job_ids", expanding=True)),
+        ARCHIVE.c.finished_at < bindparam("cutoff"),
+    ]
+    if by_status:
+        conditions.append(ARCHIVE.c.status == bindparam("status"))
+    return delete(ARCHIVE).where(*conditions)
+
+
+def delete_archived(
+    job_ids: list[uuid.UUID], cutoff: datetime, *, status: str | None = None
+) -> Statement:
+    """Delete archived jobs by id, unless archived again since (finished after ``cutoff``)."""
+    params: dict[str, Any] = {"job_ids": job_ids, "cutoff": cutoff}
+    if status is not None:
+        params["status"] = status
+    return _delete_archived(status is not None), params

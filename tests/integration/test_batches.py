@@ -1,0 +1,175 @@
+"""Batched claims (``batch_size``): one transaction claims several jobs and runs their handlers
+one after another; each job keeps its own outcome, savepoint and crash accounting."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import sqlalchemy as sa
+from helpers import archived, archived_job, count, enqueue_committed, jobs, run_records, wait_for
+
+import sqla_proletarian as sp
+
+if TYPE_CHECKING:
+    from conftest import Database
+
+NOTES = sa.Table(
+    "batch_note",
+    sa.MetaData(),
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=False),
+    mysql_engine="InnoDB",
+)
+
+
+def batch_of(engine: sa.Engine) -> int:
+    """How many jobs one claim takes on this backend (SQLite claims one at a time)."""
+    return 1 if engine.dialect.name == "sqlite" else 5
+
+
+def test_one_claim_runs_a_batch_of_jobs_in_order_and_commits_them_together(
+    engine: sa.Engine,
+) -> None:
+    with engine.begin() as conn:
+        sp.enqueue_many(conn, [("n", n) for n in range(12)])
+    ran: list[int] = []
+    assert sp.process_next_job(engine, lambda job_type, n: ran.append(n), batch_size=5)
+    assert ran == list(range(batch_of(engine)))
+    assert count(engine, sp.ArchivedJob) == len(ran)
+    while sp.process_next_job(engine, lambda job_type, n: ran.append(n), batch_size=5):
+        pass
+    assert ran == list(range(12))
+    assert {(row.status, row.attempts) for row in archived(engine)} == {("success", 1)}
+    assert run_records(engine) == 0
+
+
+def test_each_job_of_a_batch_keeps_its_own_outcome_and_only_a_raising_one_loses_its_writes(
+    engine: sa.Engine,
+) -> None:
+    """Success, retry and failure in one batch; each handler writes a note through its own
+    session, and only the notes of the jobs that raised roll back."""
+    NOTES.create(engine)
+    kinds = ["ok", "flaky", "doomed", "ok", "ok"]
+    with engine.begin() as conn:
+        ids = sp.enqueue_many(conn, [(kind, n) for n, kind in enumerate(kinds)])
+    failed: list[str] = []
+
+    def handler(job: sp.JobContext) -> None:
+        job.session.execute(sa.insert(NOTES).values(id=job.payload * 10 + job.attempts))
+        if job.job_type == "doomed" or (job.job_type == "flaky" and job.attempts == 1):
+            raise RuntimeError(job.job_type)
+
+    options: dict[str, Any] = {
+        "handler_mode": "advanced",
+        "batch_size": 5,
+        "retry_strategy": lambda job, exc: sp.RetryStrategy(1) if job.job_type == "flaky" else None,
+        "failed_job_handler": lambda job, exc: failed.append(job.job_type),
+    }
+    while sp.process_next_job(engine, handler, **options):
+        pass
+    rows = {row.job_id: row for row in archived(engine)}
+    assert [(rows[i].status, rows[i].attempts) for i in ids] == [
+        ("success", 1),
+        ("success", 2),
+        ("failure", 1),
+        ("success", 1),
+        ("success", 1),
+    ]
+    assert failed == ["doomed"]
+    with engine.connect() as conn:
+        notes = sorted(conn.execute(sa.select(NOTES.c.id)).scalars())
+    assert notes == [1, 12, 31, 41], "the raising runs' writes rolled back, the others stayed"
+    assert run_records(engine) == 0
+
+
+def test_stop_between_jobs_of_a_batch_commits_the_finished_ones_and_releases_the_rest(
+    engine: sa.Engine, backend: str
+) -> None:
+    """stop() is called while the batch's second handler runs (here by the handler itself):
+    the two finished jobs commit, the three not started are released untouched."""
+    if backend == "sqlite":
+        pytest.skip("SQLite claims one job at a time")
+    with engine.begin() as conn:
+        sp.enqueue_many(conn, [("n", n) for n in range(5)])
+    ran: list[int] = []
+    workers: list[sp.QueueWorker] = []
+
+    def handler(job_type: str, n: int) -> None:
+        ran.append(n)
+        if n == 1:
+            workers[0].stop()
+
+    worker = sp.create_queue_worker(engine, handler, batch_size=5, polling_interval=0.02)
+    workers.append(worker)
+    worker.start()
+    assert worker.wait(15)
+    assert ran == [0, 1], "no handler starts after stop()"
+    assert wait_for(lambda: count(engine, sp.ArchivedJob) == 2)
+    assert sorted(job.attempts for job in jobs(engine)) == [0, 0, 0]
+    assert run_records(engine) == 0
+
+
+CRASHING_BATCH = textwrap.dedent(
+    """
+    import os, sys
+    import sqlalchemy as sa
+    import sqla_proletarian as sp
+
+    def handler(job_type, n):
+        if job_type == "crash":
+            os._exit(9)  # the worker dies in the middle of its batch
+
+    sp.process_next_job(sa.create_engine(sys.argv[1]), handler, batch_size=5)
+    """
+)
+
+
+def test_a_crash_in_a_batch_is_charged_only_to_the_job_whose_handler_was_running(
+    database: Database, engine: sa.Engine, backend: str
+) -> None:
+    """Jobs 0 and 1 finished, 2 crashed the process, 3 and 4 had not started: everything
+    rolls back and runs again, and only job 2 has an unclean end (with max_unclean_ends=1 it
+    is archived as crashed, and the others succeed at their first counted attempt)."""
+    if backend == "sqlite":
+        pytest.skip("SQLite claims one job at a time")
+    with engine.begin() as conn:
+        ids = sp.enqueue_many(conn, [("ok", 0), ("ok", 1), ("crash", 2), ("ok", 3), ("ok", 4)])
+    url = database.url.render_as_string(hide_password=False)
+    result = subprocess.run([sys.executable, "-c", CRASHING_BATCH, url], timeout=60)
+    assert result.returncode == 9
+    assert count(engine, sp.Job) == 5 and count(engine, sp.ArchivedJob) == 0
+    ran: list[int] = []
+    while sp.process_next_job(
+        engine, lambda job_type, n: ran.append(n), batch_size=5, max_unclean_ends=1
+    ):
+        pass
+    assert ran == [0, 1, 3, 4]
+    rows = {row.job_id: row for row in archived(engine)}
+    assert rows[ids[2]].status == "failure" and "JobCrashedError" in (rows[ids[2]].error or "")
+    assert [(rows[i].status, rows[i].attempts) for i in ids if i != ids[2]] == [("success", 1)] * 4
+    assert run_records(engine) == 0
+
+
+def test_batch_size_is_checked(engine: sa.Engine) -> None:
+    for bad in (0, -1, 1001, 2.5, True):
+        with pytest.raises(sp.ConfigurationError, match="batch_size"):
+            sp.create_queue_worker(engine, lambda t, p: None, batch_size=bad)
+
+
+def test_a_job_already_archived_in_a_batch_is_replaced_and_the_batch_goes_on(
+    engine: sa.Engine, tmp_path: Path
+) -> None:
+    job_id = enqueue_committed(engine, "again", 1)
+    assert sp.process_next_job(engine, lambda t, p: None)
+    enqueue_committed(engine, "again", 2, job_id=job_id)
+    enqueue_committed(engine, "other", 3)
+    assert sp.process_next_job(engine, lambda t, p: None, batch_size=5)
+    while sp.process_next_job(engine, lambda t, p: None, batch_size=5):
+        pass
+    row = archived_job(engine, job_id)
+    assert row is not None and row.payload == "2"
+    assert count(engine, sp.ArchivedJob) == 2
