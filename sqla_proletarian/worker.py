@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import os
+import queue
 import random
 import signal
 import sys
@@ -12,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 from sqlalchemy import Engine
 from sqlalchemy.pool import QueuePool
@@ -85,7 +88,7 @@ class WorkerOptions:
     def __post_init__(self) -> None:
         check_name("queue", self.queue)
         _positive_int("worker_threads", self.worker_threads)
-        _non_negative("polling_interval", self.polling_interval)
+        _positive("polling_interval", self.polling_interval)
         _non_negative("await_termination_timeout", self.await_termination_timeout)
         if self.handler_mode not in ("default", "advanced"):
             raise ConfigurationError(
@@ -135,13 +138,23 @@ def _positive_int(name: str, value: object) -> None:
         raise ConfigurationError(f"{name} is {value!r}; give a whole number >= 1")
 
 
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ConfigurationError(
+            f"{name} is {value!r}; give a number of seconds > 0 (0 would poll without pause)"
+        )
+
+
 def _non_negative(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
         raise ConfigurationError(f"{name} is {value!r}; give a number of seconds >= 0")
 
 
 class QueueWorker:
-    """Worker threads that work off one queue. Use start()/stop() or ``with worker:``."""
+    """Worker threads that work off one queue. Use start()/stop() or ``with worker:``.
+
+    A worker runs once: once stopped (by stop() or by itself) it cannot be started again.
+    """
 
     def __init__(self, engine: Engine, handler: Callable[..., Any], options: WorkerOptions) -> None:
         _check_engine(engine)
@@ -157,9 +170,18 @@ class QueueWorker:
         self._counts_lock = threading.Lock()
         self._wakeup = threading.Event()
         self._stopped = threading.Event()
-        self._stop_lock = threading.Lock()
+        #: Guards the choice of the thread that stops the worker; never held while waiting.
+        self._state_lock = threading.Lock()
+        #: The thread doing the stop, from the first stop() on.
+        self._stopper: threading.Thread | None = None
+        self._exception: BaseException | None = None
         self._threads: list[threading.Thread] = []
         self._previous_handlers: dict[int, Any] = {}
+        #: From the signal handler to the watcher thread (put is safe inside a handler).
+        self._signals: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        #: The first signal taken; from then on it is ending the process.
+        self._signal_received: int | None = None
+        self._signal_exit: threading.Thread | None = None
         if options.install_signal_handlers:
             _require_main_thread()
 
@@ -167,6 +189,11 @@ class QueueWorker:
 
     def start(self) -> QueueWorker:
         """Start the worker threads (and the signal handlers, if asked for)."""
+        if self._stopping.is_set():
+            raise ConfigurationError(
+                f"worker {self.worker_id} was stopped, and a stopped worker cannot be "
+                "restarted: create a new one with create_queue_worker"
+            )
         if self._threads:
             raise ConfigurationError(f"worker {self.worker_id} was started already")
         if self.options.install_signal_handlers:
@@ -187,13 +214,96 @@ class QueueWorker:
         return self
 
     def stop(self) -> None:
-        """Stop polling, let running jobs finish within the timeout, then call on_shutdown."""
-        with self._stop_lock:
-            if self._stopped.is_set():
+        """Stop polling, let running jobs finish within the timeout, then call on_shutdown.
+
+        Safe to call again and from any thread: a caller in another thread waits until the
+        stop is complete; a call from one of the worker's threads (a handler) or from the
+        stop itself (on_shutdown) asks for the stop and returns at once.
+        """
+        # Before anything else: from here on no thread starts a job.
+        self._stopping.set()
+        self._wakeup.set()
+        current = threading.current_thread()
+        if current in self._threads:
+            self._stop_in_background()
+            return
+        with self._state_lock:
+            stopper = self._stopper
+            if stopper is None:
+                self._stopper = current
+        if stopper is current:
+            return
+        if stopper is None:
+            self._shut_down()
+        else:
+            self._stopped.wait()
+        self._restore_signal_handlers()
+        self._park_during_signal_exit()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the worker has stopped; True if it has.
+
+        While a signal is ending the process (``install_signal_handlers``), it does not
+        return: the process ends by the signal.
+        """
+        stopped = self._stopped.wait(timeout)
+        if stopped:
+            self._park_during_signal_exit()
+        return stopped
+
+    def wake(self) -> None:
+        """Make idle threads poll now instead of after the polling interval."""
+        self._wakeup.set()
+
+    @property
+    def running(self) -> bool:
+        """True from start() until the worker has stopped, by stop() or by itself."""
+        return bool(self._threads) and not self._stopped.is_set()
+
+    @property
+    def exception(self) -> BaseException | None:
+        """What stopped the worker when it stopped by itself: the polling error that
+        ``on_polling_error`` said to stop on, or the error that ended one of its threads.
+        None while it runs and after a stop() from outside."""
+        return self._exception
+
+    def summary(self) -> dict[str, int]:
+        """How many jobs this worker has run to each outcome."""
+        with self._counts_lock:
+            return {str(outcome): count for outcome, count in self._counts.items()}
+
+    def summary_text(self) -> str:
+        counts = self.summary()
+        return (
+            f"{counts['succeeded']} succeeded, {counts['retried']} retried, "
+            f"{counts['failed']} failed"
+        )
+
+    def __enter__(self) -> QueueWorker:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    # --- stopping -------------------------------------------------------------------------
+
+    def _stop_in_background(self) -> None:
+        """Have a thread of its own stop the worker, unless a stop is under way already."""
+        self._stopping.set()
+        self._wakeup.set()
+        with self._state_lock:
+            if self._stopper is not None:
                 return
+            stopper = threading.Thread(
+                target=self._shut_down, name=f"{self.worker_id}-stopper", daemon=True
+            )
+            self._stopper = stopper
+        stopper.start()
+
+    def _shut_down(self) -> None:
+        """The stop itself, done once: wait for the threads, call on_shutdown, let go."""
+        try:
             log_event(logging.INFO, "shutting-down", worker_id=self.worker_id)
-            self._stopping.set()
-            self._wakeup.set()
             deadline = time.monotonic() + self.options.await_termination_timeout
             for thread in self._threads:
                 if thread is not threading.current_thread():
@@ -220,42 +330,22 @@ class QueueWorker:
                         error=repr(exc),
                     )
             self._restore_signal_handlers()
-            if not unfinished:
-                self._runner.close()
-            self._stopped.set()
             log_event(
                 logging.INFO, "completed-shutdown", worker_id=self.worker_id, **self.summary()
             )
+        finally:
+            self._stopped.set()
 
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until the worker has stopped; True if it has."""
-        return self._stopped.wait(timeout)
+    def _stop_itself(self, exc: BaseException) -> None:
+        """Stop the worker because of ``exc``."""
+        self._note_exception(exc)
+        self._stop_in_background()
 
-    def wake(self) -> None:
-        """Make idle threads poll now instead of after the polling interval."""
-        self._wakeup.set()
-
-    @property
-    def running(self) -> bool:
-        return bool(self._threads) and not self._stopped.is_set()
-
-    def summary(self) -> dict[str, int]:
-        """How many jobs this worker has run to each outcome."""
-        with self._counts_lock:
-            return {str(outcome): count for outcome, count in self._counts.items()}
-
-    def summary_text(self) -> str:
-        counts = self.summary()
-        return (
-            f"{counts['succeeded']} succeeded, {counts['retried']} retried, "
-            f"{counts['failed']} failed"
-        )
-
-    def __enter__(self) -> QueueWorker:
-        return self.start()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
+    def _note_exception(self, exc: BaseException) -> None:
+        """Keep ``exc`` as what stopped the worker, unless it was stopping already."""
+        with self._state_lock:
+            if self._exception is None and not self._stopping.is_set():
+                self._exception = exc
 
     # --- the threads ----------------------------------------------------------------------
 
@@ -264,6 +354,19 @@ class QueueWorker:
             self._counts[outcome] += 1
 
     def _work(self) -> None:
+        """A worker thread. Whatever ends it before a stop stops the whole worker."""
+        try:
+            self._poll()
+        except BaseException as exc:
+            self._note_exception(exc)
+            with contextlib.suppress(Exception):  # the logging may be what failed
+                log_event(
+                    logging.ERROR, "job-worker-error", worker_id=self.worker_id, error=repr(exc)
+                )
+            self._stop_in_background()
+
+    def _poll(self) -> None:
+        """Claim and run jobs until the worker stops, holding the thread's connections."""
         backoff = 0.0
         connections: WorkerConnections | None = None
         try:
@@ -290,19 +393,10 @@ class QueueWorker:
                         self._stopping.wait(backoff * random.uniform(0.5, 1.0))
                         continue
                     if self._polling_error(exc):
-                        self._stop_from_thread()
+                        self._stop_itself(exc)
                         return
                     self._idle()
                     continue
-                except BaseException as exc:
-                    log_event(
-                        logging.ERROR,
-                        "job-worker-error",
-                        worker_id=self.worker_id,
-                        error=repr(exc),
-                    )
-                    self._stop_from_thread()
-                    return
                 if not ran:
                     self._idle()
         finally:
@@ -335,45 +429,105 @@ class QueueWorker:
             )
             return True
 
-    def _stop_from_thread(self) -> None:
-        """Stop the whole worker from one of its own threads, without joining itself."""
-        self._stopping.set()
-        self._wakeup.set()
-        threading.Thread(target=self.stop, name=f"{self.worker_id}-stopper", daemon=True).start()
-
     # --- signals --------------------------------------------------------------------------
 
     def _install_signal_handlers(self) -> None:
         _require_main_thread()
+        threading.Thread(
+            target=self._watch_signals, name=f"{self.worker_id}-signals", daemon=True
+        ).start()
         for signum in (signal.SIGINT, signal.SIGTERM):
             self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
 
     def _restore_signal_handlers(self) -> None:
+        """Put back the handlers start() replaced. Only the main thread can: elsewhere they
+        stay until a stop() in the main thread. Not while a signal is ending the process."""
         if threading.current_thread() is not threading.main_thread():
+            return
+        if not self._previous_handlers or self._signal_received is not None:
             return
         while self._previous_handlers:
             signum, handler = self._previous_handlers.popitem()
             signal.signal(signum, handler)
+        received = self._signal_received
+        if received is not None:
+            # Taken while the handlers were put back: its exit goes on, by SIG_DFL.
+            signal.signal(received, signal.SIG_DFL)
+        else:
+            self._signals.put(None)  # the watcher thread ends
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        """Stop gracefully, print the summary, then exit as the signal would have."""
-        name = signal.Signals(signum).name
-        if self._stopping.is_set() and not self._stopped.is_set():
+        """Ask for a graceful stop and exit; a second signal meanwhile exits at once.
+
+        It runs between two bytecodes of the main thread, which may hold any lock then
+        (inside stop(), summary(), a print): so it takes no lock and prints nothing; it
+        hands the signal to the watcher thread (SimpleQueue.put is safe here).
+        """
+        if self._signal_received is not None:
             # A second signal while jobs finish: exit now; their transactions roll back.
-            print(f"{self.worker_id}: {name} again, exiting at once", file=sys.stderr)
+            name = signal.Signals(signum).name
+            _write_stderr(f"{self.worker_id}: {name} again, exiting at once\n")
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self._signal_received = signum
+        # The same signal again ends the process at once, and so does the exit's own kill.
+        signal.signal(signum, signal.SIG_DFL)
+        self._signals.put(signum)
+
+    def _watch_signals(self) -> None:
+        """The watcher thread: hand the first signal to a thread that stops the worker and
+        ends the process. That thread is no daemon, so the interpreter cannot exit first."""
+        signum = self._signals.get()
+        if signum is None:
+            return
+        exit_thread = threading.Thread(
+            target=self._exit_on_signal, args=(signum,), name=f"{self.worker_id}-signal-exit"
+        )
+        self._signal_exit = exit_thread
+        exit_thread.start()
+
+    def _exit_on_signal(self, signum: int) -> None:
+        """Stop gracefully, print the summary, then exit as the signal would have."""
+        try:
+            name = signal.Signals(signum).name
+            print(
+                f"{self.worker_id}: {name} received, finishing running jobs...",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.stop()
+            print(f"{self.worker_id} stopped: {self.summary_text()}", file=sys.stderr, flush=True)
+        finally:
             _exit_as_signal(signum)
-        print(f"{self.worker_id}: {name} received, finishing running jobs...", file=sys.stderr)
-        self.stop()
-        print(f"{self.worker_id} stopped: {self.summary_text()}", file=sys.stderr, flush=True)
-        _exit_as_signal(signum)
+
+    def _park_during_signal_exit(self) -> None:
+        """While a signal ends the process, keep the calling thread (the main thread in
+        wait() or stop()) from returning and exiting the interpreter before it."""
+        if self._signal_received is None or threading.current_thread() is self._signal_exit:
+            return
+        while True:
+            threading.Event().wait()
 
 
-def _exit_as_signal(signum: int) -> None:
-    """End the process the way ``signum`` would have ended it without a handler."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
+def _exit_as_signal(signum: int) -> NoReturn:
+    """End the process the way ``signum`` would have ended it without a handler, after what
+    a normal exit runs: the atexit handlers, and logging's flush."""
+    try:
+        atexit._run_exitfuncs()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        # The signal handler set SIG_DFL when it took the signal.
+        os.kill(os.getpid(), signum)
+        os._exit(128 + signum)  # only if something put a handler back meanwhile
+
+
+def _write_stderr(text: str) -> None:
+    """Write to standard error without Python's buffers (safe inside a signal handler)."""
+    with contextlib.suppress(OSError):
+        os.write(2, text.encode(errors="replace"))
 
 
 def _check_engine(engine: Engine) -> None:
@@ -424,13 +578,23 @@ def _require_main_thread() -> None:
 def create_queue_worker(engine: Engine, handler: Callable[..., Any], **options: Any) -> QueueWorker:
     """A QueueWorker for ``engine`` that runs ``handler``; call ``.start()`` to begin.
 
-    Options: ``queue`` ("default"), ``worker_threads`` (1), ``polling_interval`` (0.1 s),
-    ``retry_strategy`` (``(job, exc) -> RetryStrategy | None``; default no retries),
+    Options: ``queue`` ("default"), ``worker_threads`` (1), ``polling_interval`` (0.1 s; a
+    positive number, as 0 would poll without pause), ``retry_strategy``
+    (``(job, exc) -> RetryStrategy | None``; default no retries),
     ``failed_job_handler`` (``(job, exc)``), ``on_polling_error`` (``(exc) -> bool``, True
     stops; default stops), ``handler_mode`` ("default": ``handler(job_type, payload)``;
     "advanced": ``handler(job)``), ``install_signal_handlers`` (False), ``on_shutdown``,
     ``await_termination_timeout`` (10 s), ``worker_id``, ``serializer``, ``clock`` and
     ``max_unclean_ends`` (3; None turns crash accounting off).
+
+    A worker runs once: ``start()`` after a stop raises ConfigurationError. ``stop()`` starts
+    no job from the moment it is called, may be called more than once and from any thread
+    (from a handler or on_shutdown it only asks for the stop and returns). A worker that
+    stops by itself (a polling error that on_polling_error stops on, a thread ended by an
+    error) is not ``running``, ``wait()`` returns, and ``exception`` says why. With
+    ``install_signal_handlers``, SIGINT and SIGTERM stop it, print a summary, run the atexit
+    handlers, flush logging and end the process by the signal; a second signal ends it at
+    once.
     """
     return QueueWorker(engine, handler, WorkerOptions.from_kwargs(options))
 

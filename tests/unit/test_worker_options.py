@@ -76,8 +76,14 @@ def test_durations_must_be_non_negative_numbers_of_seconds(name: str, value: Any
         WorkerOptions(**{name: value})
 
 
-def test_a_zero_polling_interval_is_allowed() -> None:
-    assert WorkerOptions(polling_interval=0).polling_interval == 0
+def test_a_zero_polling_interval_is_refused_since_it_would_poll_without_pause() -> None:
+    with pytest.raises(sp.ConfigurationError, match="polling_interval is 0; give a number"):
+        WorkerOptions(polling_interval=0)
+    assert WorkerOptions(polling_interval=0.001).polling_interval == 0.001
+
+
+def test_a_zero_await_termination_timeout_is_allowed() -> None:
+    assert WorkerOptions(await_termination_timeout=0).await_termination_timeout == 0
 
 
 @pytest.mark.parametrize("mode", ["fancy", "Default", None])
