@@ -13,6 +13,7 @@ from sqla_proletarian.errors import (
     UnknownJobTypeError,
 )
 from sqla_proletarian.handlers import JobContext, JobHandlers
+from sqla_proletarian.maintenance import prune_archive
 from sqla_proletarian.models import (
     DEFAULT_QUEUE,
     ArchivedJob,
@@ -60,6 +61,7 @@ __all__ = [
     "include_object",
     "metadata",
     "process_next_job",
+    "prune_archive",
     "utc_now",
     "uuid4",
     "uuid7",

@@ -1,11 +1,15 @@
 """The poll is served by the index ix_proletarian_job_poll on every backend: the index gives
 both the WHERE (queue, due time) and the ORDER BY (process_at, seq), so no sort and no scan
-of the whole table, with realistic data and fresh statistics (no planner switches)."""
+of the whole table, with realistic data and fresh statistics (no planner switches). The run
+count read with the claim goes through ix_proletarian_job_run_job_id, and prune_archive's
+batches through ix_proletarian_archived_job_finished_at and the archive's primary key: their
+cost stays flat however many jobs are queued or archived."""
 
 from __future__ import annotations
 
 import json
 import random
+import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -17,9 +21,18 @@ from sqlalchemy.sql.expression import ClauseElement
 
 import sqla_proletarian as sp
 from sqla_proletarian import statements
+from sqla_proletarian.statements import Statement
 from sqla_proletarian.values import build_job_values
 
 INDEX = "ix_proletarian_job_poll"
+RUN_INDEX = "ix_proletarian_job_run_job_id"
+ARCHIVE_INDEX = "ix_proletarian_archived_job_finished_at"
+TABLES = ("proletarian_job", "proletarian_archived_job", "proletarian_job_run")
+
+#: The crowded database: jobs queued, jobs archived, and run records.
+QUEUED = 50_000
+ARCHIVED = 50_000
+RUNS = 1_000
 
 
 class Explain(Executable, ClauseElement):
@@ -35,6 +48,19 @@ class Explain(Executable, ClauseElement):
 @compiles(Explain)
 def _compile_explain(element: Explain, compiler: Any, **kw: Any) -> str:
     return element.prefix + compiler.process(element.statement, **kw)
+
+
+def analyze(engine: sa.Engine) -> None:
+    """Refresh the planner's statistics of the library's tables."""
+    with engine.connect() as conn:
+        if engine.dialect.name == "postgresql":
+            conn.exec_driver_sql(f"ANALYZE {', '.join(TABLES)}")
+        elif engine.dialect.name == "sqlite":
+            conn.exec_driver_sql("ANALYZE")
+        else:
+            for table in TABLES:
+                conn.exec_driver_sql(f"ANALYZE TABLE {table}").all()
+        conn.commit()
 
 
 @pytest.fixture
@@ -55,20 +81,75 @@ def busy_engine(engine: sa.Engine) -> sa.Engine:
     with engine.connect() as conn:
         conn.execute(sa.insert(statements.JOB), jobs)
         conn.commit()
-        if engine.dialect.name == "postgresql":
-            conn.exec_driver_sql("ANALYZE proletarian_job")
-        elif engine.dialect.name == "sqlite":
-            conn.exec_driver_sql("ANALYZE")
-        else:
-            conn.exec_driver_sql("ANALYZE TABLE proletarian_job").all()
-        conn.commit()
+    analyze(engine)
     return engine
 
 
-def explain(engine: sa.Engine, prefix: str, queue: str) -> list[Any]:
-    statement, params = statements.poll(queue, sp.utc_now())
+@pytest.fixture
+def crowded_engine(engine: sa.Engine) -> sa.Engine:
+    """50,000 jobs queued (three in four in the busy queue, the rest in four small ones, due
+    over the past and the next hour), 50,000 archived (one a minute over the last five weeks,
+    one in five failed) and 1,000 run records of queued jobs; statistics refreshed.
+
+    A crash ledger of a few records is one page, which PostgreSQL rightly scans whole; with
+    1,000 (a large fleet's running jobs, or records left by crashed workers) reading it
+    without its index would cost, so the plan shows whether the index is there to use.
+    """
+    now = sp.utc_now()
+    rng = random.Random(7)
+    queued = [
+        {
+            "job_id": uuid.UUID(int=rng.getrandbits(128), version=4),
+            "queue": sp.DEFAULT_QUEUE if n % 4 else f"small-{n % 16 // 4}",
+            "job_type": "work",
+            "payload": f'{{"n":{n}}}',
+            "attempts": 0,
+            "enqueued_at": now - timedelta(hours=1),
+            "process_at": now + timedelta(seconds=rng.uniform(-3600, 3600)),
+        }
+        for n in range(QUEUED)
+    ]
+    archived = [
+        {
+            "job_id": uuid.UUID(int=rng.getrandbits(128), version=4),
+            "queue": sp.DEFAULT_QUEUE,
+            "job_type": "work",
+            "payload": f'{{"n":{n}}}',
+            "attempts": 1,
+            "enqueued_at": now - timedelta(minutes=n + 1),
+            "process_at": now - timedelta(minutes=n + 1),
+            "status": "failure" if n % 5 == 0 else "success",
+            "finished_at": now - timedelta(minutes=n),
+            "error": None,
+        }
+        for n in range(ARCHIVED)
+    ]
+    runs = [
+        {
+            "run_id": uuid.UUID(int=rng.getrandbits(128), version=4),
+            "job_id": job["job_id"],
+            "worker_id": "a worker",
+            "started_at": now,
+            "owner": None,
+        }
+        for job in rng.sample(queued, RUNS)
+    ]
+    # Executemany: PyMySQL sends multi-row INSERTs, psycopg pipelines, sqlite3 loops in C.
+    with engine.begin() as conn:
+        conn.execute(sa.insert(statements.JOB), queued)
+        conn.execute(sa.insert(statements.ARCHIVE), archived)
+        conn.execute(sa.insert(statements.RUN), runs)
+        for table, rows in ((statements.JOB, QUEUED), (statements.ARCHIVE, ARCHIVED)):
+            assert conn.scalar(sa.select(sa.func.count()).select_from(table)) == rows
+    analyze(engine)
+    return engine
+
+
+def explain(engine: sa.Engine, prefix: str, statement: Statement) -> list[Any]:
+    """The plan of a statement with its parameters, as the backend's EXPLAIN gives it."""
+    executable, params = statement
     with engine.connect() as conn:
-        rows = conn.execute(Explain(statement, prefix), params).all()
+        rows = conn.execute(Explain(executable, prefix), params).all()
         conn.rollback()
     return rows
 
@@ -77,27 +158,61 @@ def plan_nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
     return [node, *(n for child in node.get("Plans", []) for n in plan_nodes(child))]
 
 
-def check_plan(busy_engine: sa.Engine, backend: str, queue: str) -> None:
+def postgresql_plan(engine: sa.Engine, statement: Statement) -> list[dict[str, Any]]:
+    """Every node of PostgreSQL's plan of the statement, depth first."""
+    (row,) = explain(engine, "EXPLAIN (FORMAT JSON) ", statement)
+    document = row[0] if not isinstance(row[0], str) else json.loads(row[0])
+    return plan_nodes(document[0]["Plan"])
+
+
+def scans(nodes: list[dict[str, Any]]) -> list[tuple[str, str | None]]:
+    """(table, index) of each scan node; the index is None for a scan of the whole table."""
+    return [
+        (node["Relation Name"], node.get("Index Name"))
+        for node in nodes
+        if "Relation Name" in node and "Scan" in node["Node Type"]
+    ]
+
+
+def assert_no_sort(kinds: list[str]) -> None:
+    assert "Sort" not in kinds and "Incremental Sort" not in kinds, kinds
+
+
+def check_plan(engine: sa.Engine, backend: str, queue: str, *, with_runs: bool) -> None:
+    statement = statements.poll(queue, sp.utc_now(), with_runs=with_runs)
     if backend == "postgresql":
-        (row,) = explain(busy_engine, "EXPLAIN (FORMAT JSON) ", queue)
-        document = row[0] if not isinstance(row[0], str) else json.loads(row[0])
-        nodes = plan_nodes(document[0]["Plan"])
+        nodes = postgresql_plan(engine, statement)
         kinds = [node["Node Type"] for node in nodes]
-        scans = [node for node in nodes if "Scan" in node["Node Type"]]
-        assert [node.get("Index Name") for node in scans] == [INDEX], kinds
-        assert scans[0]["Node Type"] in ("Index Scan", "Index Only Scan"), kinds
-        assert "Sort" not in kinds and "Incremental Sort" not in kinds, kinds
+        expected = [("proletarian_job", INDEX)]
+        if with_runs:
+            expected.append(("proletarian_job_run", RUN_INDEX))
+            (subplan,) = [n for n in nodes if n.get("Parent Relationship") == "SubPlan"]
+            assert scans(plan_nodes(subplan)) == [("proletarian_job_run", RUN_INDEX)], kinds
+        assert sorted(scans(nodes)) == expected, kinds
+        for node in nodes:
+            if "Scan" in node["Node Type"]:
+                assert node["Node Type"] in ("Index Scan", "Index Only Scan"), kinds
+        assert_no_sort(kinds)
         assert "LockRows" in kinds, kinds
     elif backend == "mariadb":
-        (row,) = explain(busy_engine, "EXPLAIN ", queue)
-        plan = row._mapping
-        assert plan["key"] == INDEX, dict(plan)
-        assert plan["type"] in ("range", "ref"), dict(plan)
-        assert "filesort" not in (plan["Extra"] or ""), dict(plan)
-        assert "temporary" not in (plan["Extra"] or ""), dict(plan)
+        plan = {row.table: dict(row._mapping) for row in explain(engine, "EXPLAIN ", statement)}
+        tables = {"proletarian_job", "proletarian_job_run"} if with_runs else {"proletarian_job"}
+        assert set(plan) == tables, plan
+        job = plan["proletarian_job"]
+        assert job["key"] == INDEX, plan
+        assert job["type"] in ("range", "ref"), plan
+        for row in plan.values():
+            assert "filesort" not in (row["Extra"] or ""), plan
+            assert "temporary" not in (row["Extra"] or ""), plan
+        if with_runs:
+            run = plan["proletarian_job_run"]
+            assert run["select_type"] == "DEPENDENT SUBQUERY", plan
+            assert (run["key"], run["type"]) == (RUN_INDEX, "ref"), plan
     else:
-        details = [row.detail for row in explain(busy_engine, "EXPLAIN QUERY PLAN ", queue)]
-        assert any(f"USING INDEX {INDEX}" in detail for detail in details), details
+        details = [row.detail for row in explain(engine, "EXPLAIN QUERY PLAN ", statement)]
+        assert any(f"INDEX {INDEX}" in detail for detail in details), details
+        if with_runs:
+            assert any(f"INDEX {RUN_INDEX} (job_id=?)" in detail for detail in details), details
         assert not any("TEMP B-TREE" in detail for detail in details), details
         assert not any(detail.startswith("SCAN") for detail in details), details
 
@@ -106,4 +221,70 @@ def test_the_poll_of_a_busy_and_of_a_small_queue_reads_the_index_in_order_withou
     busy_engine: sa.Engine, backend: str
 ) -> None:
     for queue in (sp.DEFAULT_QUEUE, "small-1"):
-        check_plan(busy_engine, backend, queue)
+        check_plan(busy_engine, backend, queue, with_runs=False)
+
+
+def test_the_poll_with_its_run_count_stays_on_its_indexes_with_50000_queued_and_archived(
+    crowded_engine: sa.Engine, backend: str
+) -> None:
+    """The claim as the worker sends it (with the run count), in the busy queue and in a
+    small one, with 50,000 jobs queued, 50,000 archived and 1,000 run records."""
+    for queue in (sp.DEFAULT_QUEUE, "small-2"):
+        check_plan(crowded_engine, backend, queue, with_runs=True)
+
+
+def test_prune_batches_read_the_finished_at_index_and_delete_by_primary_key(
+    crowded_engine: sa.Engine, backend: str
+) -> None:
+    """Each of prune_archive's batches reads its ids in finished_at order from the index, with
+    and without a status filter, first and later batches alike (no sort, no scan). On MariaDB
+    its DELETE finds the rows by primary key (so, at READ COMMITTED, it locks those rows and
+    no range of the index); PostgreSQL's DELETE locks only the rows it deletes, whatever
+    its plan."""
+    cutoff = sp.utc_now() - timedelta(days=30)
+    after = cutoff - timedelta(days=2)
+    batches = [
+        statements.archived_batch(cutoff, 1000),
+        statements.archived_batch(cutoff, 1000, status="failure"),
+        statements.archived_batch(cutoff, 1000, after=after),
+        statements.archived_batch(cutoff, 1000, status="success", after=after),
+    ]
+    with crowded_engine.connect() as conn:
+        executable, params = batches[0]
+        ids = [row.job_id for row in conn.execute(executable, params)]
+    assert len(ids) == 1000
+    delete = statements.delete_archived(ids, cutoff, status="success")
+    for batch in batches:
+        check_archive_batch_plan(crowded_engine, backend, batch)
+    check_archive_delete_plan(crowded_engine, backend, delete)
+
+
+def check_archive_batch_plan(engine: sa.Engine, backend: str, batch: Statement) -> None:
+    if backend == "postgresql":
+        nodes = postgresql_plan(engine, batch)
+        kinds = [node["Node Type"] for node in nodes]
+        assert scans(nodes) == [("proletarian_archived_job", ARCHIVE_INDEX)], kinds
+        assert_no_sort(kinds)
+    elif backend == "mariadb":
+        (row,) = explain(engine, "EXPLAIN ", batch)
+        plan = dict(row._mapping)
+        assert (plan["key"], plan["type"]) == (ARCHIVE_INDEX, "range"), plan
+        assert "filesort" not in (plan["Extra"] or ""), plan
+    else:
+        details = [row.detail for row in explain(engine, "EXPLAIN QUERY PLAN ", batch)]
+        assert any(f"INDEX {ARCHIVE_INDEX} (finished_at" in detail for detail in details), details
+        assert not any("TEMP B-TREE" in detail for detail in details), details
+        assert not any(detail.startswith("SCAN") for detail in details), details
+
+
+def check_archive_delete_plan(engine: sa.Engine, backend: str, delete: Statement) -> None:
+    if backend == "mariadb":
+        (row,) = explain(engine, "EXPLAIN ", delete)
+        plan = dict(row._mapping)
+        assert (plan["key"], plan["type"]) == ("PRIMARY", "range"), plan
+    elif backend == "sqlite":
+        details = [row.detail for row in explain(engine, "EXPLAIN QUERY PLAN ", delete)]
+        assert any(detail.startswith("SEARCH") and "(job_id=?)" in detail for detail in details), (
+            details
+        )
+        assert not any(detail.startswith("SCAN") for detail in details), details
