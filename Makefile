@@ -31,7 +31,7 @@ source "$$SP_TESTDB_DIR/env"; \
 $(1)
 endef
 
-.PHONY: venv lint test test-sqla-oldest faults soak quickstart \
+.PHONY: venv lint test test-sqla-oldest faults soak quickstart bench bench-quick \
 	examples.db.install examples.db.uninstall examples.db.recreate clean
 
 venv: $(STAMP)
@@ -52,7 +52,8 @@ lint: venv
 # postgresql:// URL uses), and a subset on the oldest SQLAlchemy claimed.
 PSYCOPG2_TESTS := tests/integration/test_hardening.py tests/integration/test_worker_outcomes.py \
 	tests/integration/test_crash_loop.py tests/integration/test_concurrency.py \
-	tests/integration/test_shutdown.py tests/integration/test_privileges.py
+	tests/integration/test_shutdown.py tests/integration/test_privileges.py \
+	tests/integration/test_batches.py tests/integration/test_wakeups.py
 
 test: venv lint $(VENV_SQLA_OLDEST)/.installed.stamp
 	$(call with_testdb,$(VENV)/bin/pytest tests -q && \
@@ -90,6 +91,15 @@ soak: venv
 
 quickstart: venv
 	$(VENV)/bin/python examples/quickstart.py
+
+# The benchmark, on durable PostgreSQL and MariaDB servers of its own (scripts/benchdb.sh,
+# started and stopped by it): every contender in interleaved rounds, one table printed and
+# written to benchmarks/results.md. bench-quick is the smoke run; BENCH_ARGS passes options
+# (--only NAME,..., --rounds R, --jobs N).
+bench bench-quick: venv
+	@$(VENV)/bin/python -c 'import pgqueuer, procrastinate, asyncpg' 2>/dev/null || \
+		$(VENV)/bin/pip install -q -e '.[postgresql,mysql,dev,bench]'
+	$(VENV)/bin/python -m benchmarks.run $(if $(filter bench-quick,$@),--quick) $(BENCH_ARGS)
 
 # A "proletarian" database on the PostgreSQL test server for the examples.
 examples.db.install: venv

@@ -7,9 +7,10 @@ from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Engine
-from sqlalchemy.orm import Session, scoped_session
+from sqlalchemy import Connection, Engine, event
+from sqlalchemy.orm import Mapper, Session, scoped_session
 
+from sqla_proletarian import wakeups
 from sqla_proletarian.dialects import dialect_of
 from sqla_proletarian.errors import (
     InvalidJobError,
@@ -69,6 +70,7 @@ def enqueue(
             **options,
         )
         session_or_connection.execute(*insert_job(values))
+        wakeups.enqueued(session_or_connection, {queue})
         job_id: uuid.UUID = values["job_id"]
         return job_id
     raise _not_a_transaction(session_or_connection, "enqueue")
@@ -126,7 +128,16 @@ def enqueue_many(
     unnest = dialect_of(connection).bulk_insert_unnest
     for start in range(0, len(rows), ENQUEUE_MANY_CHUNK):
         connection.execute(*insert_jobs(rows[start : start + ENQUEUE_MANY_CHUNK], unnest=unnest))
+    if rows:
+        wakeups.enqueued(connection, {queue})
     return [row["job_id"] for row in rows]
+
+
+@event.listens_for(Job, "after_insert")
+def _job_flushed(mapper: Mapper[Job], connection: Connection, job: Job) -> None:
+    """A Session flushed a job (``enqueue()`` or ``session.add(Job(...))``): wake workers
+    when its transaction commits."""
+    wakeups.enqueued(connection, {job.queue})
 
 
 def _connection_of(session_or_connection: Transaction, caller: str) -> Connection:

@@ -6,7 +6,19 @@ import uuid
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from sqlalchemy import BigInteger, Column, Index, Integer, MetaData, String, Table, Text, Uuid
+from sqlalchemy import (
+    DDL,
+    BigInteger,
+    Column,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    Uuid,
+    event,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.schema import SchemaItem
 
@@ -108,6 +120,38 @@ class Job(Base):
 
     def __repr__(self) -> str:
         return f"<Job {self.job_id} {self.job_type!r} queue={self.queue!r}>"
+
+
+#: PostgreSQL: a statement-level trigger NOTIFYs the queues that got jobs on the channel the
+#: workers LISTEN on (``sqla_proletarian.wakeups``). The migrations hold a frozen copy.
+ENQUEUE_NOTIFY_DDL = (
+    "CREATE OR REPLACE FUNCTION proletarian_job_notify() RETURNS trigger LANGUAGE plpgsql AS $$\n"
+    "BEGIN\n"
+    "  PERFORM pg_notify('sqla_proletarian', queue) FROM (SELECT DISTINCT queue FROM new_jobs) q;\n"
+    "  RETURN NULL;\n"
+    "END $$",
+    f"CREATE TRIGGER proletarian_job_notify AFTER INSERT ON {JOB_TABLE} "
+    "REFERENCING NEW TABLE AS new_jobs FOR EACH STATEMENT "
+    "EXECUTE FUNCTION proletarian_job_notify()",
+)
+ENQUEUE_NOTIFY_DROP = (
+    f"DROP TRIGGER IF EXISTS proletarian_job_notify ON {JOB_TABLE}",
+    "DROP FUNCTION IF EXISTS proletarian_job_notify()",
+)
+
+
+def _enqueue_notifications_ddl() -> None:
+    """``metadata.create_all`` makes the same PostgreSQL enqueue trigger as the migrations."""
+    table = Job.__table__
+    for statement in ENQUEUE_NOTIFY_DDL:
+        ddl = DDL(statement)  # type: ignore[no-untyped-call]
+        event.listen(table, "after_create", ddl.execute_if(dialect="postgresql"))
+    for statement in ENQUEUE_NOTIFY_DROP:
+        ddl = DDL(statement)  # type: ignore[no-untyped-call]
+        event.listen(table, "before_drop", ddl.execute_if(dialect="postgresql"))
+
+
+_enqueue_notifications_ddl()
 
 
 class ArchivedJob(Base):

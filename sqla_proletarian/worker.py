@@ -20,6 +20,7 @@ from typing import Any, Literal, NoReturn
 from sqlalchemy import Engine
 from sqlalchemy.pool import QueuePool
 
+from sqla_proletarian import wakeups
 from sqla_proletarian.dialects import dialect_of
 from sqla_proletarian.errors import (
     ConfigurationError,
@@ -47,6 +48,10 @@ DEFAULT_POLLING_INTERVAL = 0.1
 DEFAULT_AWAIT_TERMINATION_TIMEOUT = 10.0
 #: Runs of one job that may end uncleanly (worker died) before it is archived as failed.
 DEFAULT_MAX_UNCLEAN_ENDS = 3
+#: Jobs a thread claims in one transaction (1: the original's semantics).
+DEFAULT_BATCH_SIZE = 1
+#: Largest batch_size accepted.
+MAX_BATCH_SIZE = 1000
 #: Longest pause between attempts to poll while the database is unreachable.
 MAX_TRANSIENT_BACKOFF = 5.0
 
@@ -84,6 +89,8 @@ class WorkerOptions:
     serializer: Serializer = field(default=DEFAULT_SERIALIZER)
     clock: Clock = utc_now
     max_unclean_ends: int | None = DEFAULT_MAX_UNCLEAN_ENDS
+    batch_size: int = DEFAULT_BATCH_SIZE
+    poll_only: bool = False
 
     def __post_init__(self) -> None:
         check_name("queue", self.queue)
@@ -101,6 +108,15 @@ class WorkerOptions:
                 raise ConfigurationError(f"{name} is {value!r}; give a function or None")
         if self.max_unclean_ends is not None:
             _positive_int("max_unclean_ends", self.max_unclean_ends)
+        _positive_int("batch_size", self.batch_size)
+        for flag in ("poll_only", "install_signal_handlers"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigurationError(f"{flag} is {getattr(self, flag)!r}; give True or False")
+        if self.batch_size > MAX_BATCH_SIZE:
+            raise ConfigurationError(
+                f"batch_size is {self.batch_size}; give at most {MAX_BATCH_SIZE} (a batch "
+                "holds its jobs' row locks until its last handler has run)"
+            )
         if self.worker_id is None:
             object.__setattr__(self, "worker_id", f"proletarian[{self.queue}]")
 
@@ -130,6 +146,7 @@ class WorkerOptions:
             clock=self.clock,
             worker_id=self.worker_id,
             max_unclean_ends=self.max_unclean_ends,
+            batch_size=self.batch_size,
         )
 
 
@@ -169,6 +186,10 @@ class QueueWorker:
         self._counts: dict[Outcome, int] = {"succeeded": 0, "retried": 0, "failed": 0}
         self._counts_lock = threading.Lock()
         self._wakeup = threading.Event()
+        #: Short waits left after an in-process wake-up (the enqueue may not be visible yet).
+        self._burst = 0
+        self._engine = engine
+        self._listener: wakeups.Listener | None = None
         self._stopped = threading.Event()
         #: Guards the choice of the thread that stops the worker; never held while waiting.
         self._state_lock = threading.Lock()
@@ -198,6 +219,10 @@ class QueueWorker:
             raise ConfigurationError(f"worker {self.worker_id} was started already")
         if self.options.install_signal_handlers:
             self._install_signal_handlers()
+        wakeups.register(self._engine, self.options.queue, self)
+        if not self.options.poll_only and wakeups.Listener.supported(self._engine):
+            self._listener = wakeups.Listener(self._engine, self.options.queue, self.wake)
+            self._listener.start()
         log_event(
             logging.INFO,
             "queue-worker-starting",
@@ -255,6 +280,13 @@ class QueueWorker:
         """Make idle threads poll now instead of after the polling interval."""
         self._wakeup.set()
 
+    def wake_for_enqueue(self, committing: bool) -> None:
+        """A job of this worker's queue was enqueued in this process and its transaction is
+        committing: poll now, and again a few times shortly after, until the commit shows."""
+        if committing:
+            self._burst = len(wakeups.BURST)
+        self._wakeup.set()
+
     @property
     def running(self) -> bool:
         """True from start() until the worker has stopped, by stop() or by itself."""
@@ -304,6 +336,9 @@ class QueueWorker:
         """The stop itself, done once: wait for the threads, call on_shutdown, let go."""
         try:
             log_event(logging.INFO, "shutting-down", worker_id=self.worker_id)
+            wakeups.unregister(self._engine, self.options.queue, self)
+            if self._listener is not None:
+                self._listener.stop()
             deadline = time.monotonic() + self.options.await_termination_timeout
             for thread in self._threads:
                 if thread is not threading.current_thread():
@@ -405,7 +440,13 @@ class QueueWorker:
 
     def _idle(self) -> None:
         """Pause after the queue is drained; wake() or stop() ends the pause early."""
-        self._wakeup.wait(self.options.polling_interval)
+        burst = self._burst
+        if burst:
+            self._burst = burst - 1
+            pause = wakeups.BURST[len(wakeups.BURST) - burst]
+        else:
+            pause = self.options.polling_interval
+        self._wakeup.wait(pause)
         if not self._stopping.is_set():
             self._wakeup.clear()
 
@@ -585,7 +626,11 @@ def create_queue_worker(engine: Engine, handler: Callable[..., Any], **options: 
     stops; default stops), ``handler_mode`` ("default": ``handler(job_type, payload)``;
     "advanced": ``handler(job)``), ``install_signal_handlers`` (False), ``on_shutdown``,
     ``await_termination_timeout`` (10 s), ``worker_id``, ``serializer``, ``clock`` and
-    ``max_unclean_ends`` (3; None turns crash accounting off).
+    ``max_unclean_ends`` (3; None turns crash accounting off), ``batch_size`` (1: jobs
+    claimed, run one after another and committed together in one transaction; SQLite
+    always claims one) and ``poll_only`` (False: on PostgreSQL a committed enqueue wakes
+    idle workers at once through LISTEN/NOTIFY; True polls only, for transaction-pooling
+    proxies).
 
     A worker runs once: ``start()`` after a stop raises ConfigurationError. ``stop()`` starts
     no job from the moment it is called, may be called more than once and from any thread

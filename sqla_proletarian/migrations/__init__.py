@@ -7,8 +7,9 @@ labelled :data:`BRANCH_LABEL`. Or keep one head: call :func:`create_tables` from
 
 The DDL below is frozen: each helper is the schema change of one revision and never follows
 later edits of the models. A release that changes the schema adds a revision and a helper for
-it: ``create_tables`` is ``sqlap_0001``, ``add_run_owners`` is ``sqlap_0002``. A single-head
-project calls each new helper from a new revision of its own, in that order.
+it: ``create_tables`` is ``sqlap_0001``; ``add_run_owners`` and ``add_enqueue_notifications``
+are ``sqlap_0002``. A single-head project calls each new helper from a new revision of its
+own, in that order.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ __all__ = [
     "HEAD_REVISION",
     "INITIAL_REVISION",
     "VERSION_LOCATION",
+    "add_enqueue_notifications",
     "add_run_owners",
     "create_tables",
+    "drop_enqueue_notifications",
     "drop_run_owners",
     "drop_tables",
     "include_object",
@@ -175,3 +178,39 @@ def drop_run_owners(op: Operations | ModuleType | None = None) -> None:
     ops = _operations(op)
     ops.execute(sa.table(_JOB_RUN).delete())
     ops.drop_column(_JOB_RUN, "owner")
+
+
+#: PostgreSQL: a statement-level trigger NOTIFYs the queues that got jobs, on the channel the
+#: workers LISTEN on. The server sends one notification per transaction and queue, at the
+#: commit, whoever inserted the rows, and none for a rollback.
+NOTIFY_FUNCTION = "proletarian_job_notify"
+_CREATE_NOTIFY = (
+    f"CREATE OR REPLACE FUNCTION {NOTIFY_FUNCTION}() RETURNS trigger LANGUAGE plpgsql AS $$\n"
+    "BEGIN\n"
+    "  PERFORM pg_notify('sqla_proletarian', queue) FROM (SELECT DISTINCT queue FROM new_jobs) q;\n"
+    "  RETURN NULL;\n"
+    "END $$",
+    f"CREATE TRIGGER {NOTIFY_FUNCTION} AFTER INSERT ON {_JOB} "
+    f"REFERENCING NEW TABLE AS new_jobs FOR EACH STATEMENT EXECUTE FUNCTION {NOTIFY_FUNCTION}()",
+)
+_DROP_NOTIFY = (
+    f"DROP TRIGGER IF EXISTS {NOTIFY_FUNCTION} ON {_JOB}",
+    f"DROP FUNCTION IF EXISTS {NOTIFY_FUNCTION}()",
+)
+
+
+def add_enqueue_notifications(op: Operations | ModuleType | None = None) -> None:
+    """PostgreSQL: the trigger that wakes listening workers when jobs are enqueued
+    (``sqlap_0002``); nothing on other servers."""
+    ops = _operations(op)
+    if ops.get_context().dialect.name == "postgresql":
+        for statement in _CREATE_NOTIFY:
+            ops.execute(statement)
+
+
+def drop_enqueue_notifications(op: Operations | ModuleType | None = None) -> None:
+    """Undo :func:`add_enqueue_notifications`."""
+    ops = _operations(op)
+    if ops.get_context().dialect.name == "postgresql":
+        for statement in _DROP_NOTIFY:
+            ops.execute(statement)

@@ -272,8 +272,10 @@ import sqlalchemy as sa
 from alembic import op
 
 from sqla_proletarian.migrations import (
+    add_enqueue_notifications,
     add_run_owners,
     create_tables,
+    drop_enqueue_notifications,
     drop_run_owners,
     drop_tables,
 )
@@ -322,8 +324,16 @@ def user_project(root: Path, *, calls_helpers: bool, library_location: bool) -> 
     (root / "migrations" / "env.py").write_text(USER_ENV)
     revision = USER_REVISION.format(
         extra_doc=" and the library's tables" if calls_helpers else "",
-        upgrade_extra="create_tables(op); add_run_owners(op)" if calls_helpers else "pass",
-        downgrade_extra="drop_run_owners(op); drop_tables(op)" if calls_helpers else "pass",
+        upgrade_extra=(
+            "create_tables(op); add_run_owners(op); add_enqueue_notifications(op)"
+            if calls_helpers
+            else "pass"
+        ),
+        downgrade_extra=(
+            "drop_enqueue_notifications(op); drop_run_owners(op); drop_tables(op)"
+            if calls_helpers
+            else "pass"
+        ),
     )
     (root / "migrations" / "versions" / "user_0001.py").write_text(revision)
     locations = "%(here)s/migrations/versions"

@@ -1,0 +1,168 @@
+"""Wake-ups: idle workers poll at once when a job is committed, instead of at their next poll.
+
+Two ways, both on top of polling, which stays the fallback:
+
+- **PostgreSQL**: a statement-level trigger on the job table (migration ``sqlap_0002``, or
+  ``metadata.create_all``) NOTIFYs each queue that got jobs. The server sends one
+  notification per transaction and queue (NOTIFY serialises committing transactions, so
+  never one per job), at the commit, never for a rollback, whoever inserted the rows, and
+  costs the enqueue no round trip. Each worker holds one listening connection
+  (``poll_only=True`` turns it off, e.g. behind a transaction-pooling proxy, where LISTEN
+  does not work).
+- **In the same process** (every backend): the enqueue marks its connection, and the
+  connection's commit wakes this process's idle workers of that queue. The commit event comes
+  just before the database commits, so a woken worker polls again a few times over the next
+  ~50 ms until it sees the job.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import Connection, Engine, event
+
+from sqla_proletarian.logs import log_event
+
+#: The NOTIFY channel; the payload is the queue name.
+CHANNEL = "sqla_proletarian"
+
+#: Waits after an in-process wake-up, before the worker goes back to its polling interval.
+BURST = (0.005, 0.01, 0.02, 0.04)
+
+Wake = Callable[[bool], None]
+
+_LOCK = threading.Lock()
+#: Idle-worker wake-ups of this process, by database and queue.
+_WORKERS: dict[tuple[str, str], weakref.WeakSet[Any]] = {}
+#: Engines whose commits and rollbacks are watched for enqueues.
+_WATCHED: weakref.WeakSet[Engine] = weakref.WeakSet()
+_PENDING = "sqla_proletarian.enqueued_queues"
+
+
+_KEYS: weakref.WeakKeyDictionary[Engine, str] = weakref.WeakKeyDictionary()
+
+
+def database_key(engine: Engine) -> str:
+    """Which database an engine reaches (for matching enqueues to workers)."""
+    key = _KEYS.get(engine)
+    if key is None:
+        key = _KEYS[engine] = engine.url.render_as_string(hide_password=True)
+    return key
+
+
+def register(engine: Engine, queue: str, waker: Any) -> None:
+    """Let enqueues in this process wake ``waker.wake_for_enqueue()`` for ``queue``."""
+    with _LOCK:
+        _WORKERS.setdefault((database_key(engine), queue), weakref.WeakSet()).add(waker)
+
+
+def unregister(engine: Engine, queue: str, waker: Any) -> None:
+    with _LOCK:
+        workers = _WORKERS.get((database_key(engine), queue))
+        if workers is not None:
+            workers.discard(waker)
+
+
+def enqueued(conn: Connection, queues: set[str]) -> None:
+    """Jobs of ``queues`` were written in ``conn``'s transaction: wake this process's workers
+    of those queues at its commit."""
+    engine = conn.engine
+    key = database_key(engine)
+    with _LOCK:
+        local = any(_WORKERS.get((key, queue)) for queue in queues)
+        if local and engine not in _WATCHED:
+            event.listen(engine, "commit", _on_commit)
+            event.listen(engine, "rollback", _on_rollback)
+            _WATCHED.add(engine)
+    if local:
+        conn.info.setdefault(_PENDING, set()).update(queues)
+
+
+def _on_commit(conn: Connection) -> None:
+    queues = conn.info.pop(_PENDING, None)
+    if queues:
+        wake_local(database_key(conn.engine), queues, committing=True)
+
+
+def _on_rollback(conn: Connection) -> None:
+    conn.info.pop(_PENDING, None)
+
+
+def wake_local(database: str, queues: set[str], *, committing: bool) -> None:
+    """Wake this process's idle workers of ``queues`` on ``database``."""
+    with _LOCK:
+        wakers = [w for q in queues for w in list(_WORKERS.get((database, q), ()))]
+    for waker in wakers:
+        waker.wake_for_enqueue(committing)
+
+
+class Listener:
+    """A thread that LISTENs on PostgreSQL and wakes a worker when its queue gets a job.
+
+    Works with psycopg 3 and psycopg2; with other drivers it does not start (polling goes on).
+    Reconnects after errors, backing off up to 5 s; a job committed while it was not
+    listening is found by the next poll.
+    """
+
+    def __init__(self, engine: Engine, queue: str, wake: Callable[[], None]) -> None:
+        self.engine = engine
+        self.queue = queue
+        self.wake = wake
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"{queue}-listener", daemon=True)
+
+    @staticmethod
+    def supported(engine: Engine) -> bool:
+        return engine.dialect.name == "postgresql" and engine.dialect.driver in (
+            "psycopg",
+            "psycopg2",
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Ask the thread to end (within half a second; it closes its connection itself)."""
+        self._stop.set()
+
+    def _run(self) -> None:
+        backoff = 0.05
+        while not self._stop.is_set():
+            try:
+                self._listen()
+                backoff = 0.05
+            except Exception as exc:
+                if self._stop.is_set():
+                    return
+                log_event(logging.WARNING, "listen-error", queue=self.queue, error=repr(exc))
+                self._stop.wait(backoff)
+                backoff = min(5.0, backoff * 2)
+
+    def _listen(self) -> None:
+        raw = self.engine.raw_connection()
+        driver: Any = raw.driver_connection
+        raw.detach()  # the worker's own, not counted against the pool
+        try:
+            if self.engine.dialect.driver == "psycopg":
+                driver.autocommit = True
+                driver.execute(f"LISTEN {CHANNEL}")
+                while not self._stop.is_set():
+                    for note in driver.notifies(timeout=0.5, stop_after=1):
+                        if note.payload == self.queue:
+                            self.wake()
+            else:
+                driver.autocommit = True
+                driver.cursor().execute(f"LISTEN {CHANNEL}")
+                while not self._stop.is_set():
+                    if select.select([driver], [], [], 0.5)[0]:
+                        driver.poll()
+                        notes, driver.notifies[:] = list(driver.notifies), []
+                        if any(note.payload == self.queue for note in notes):
+                            self.wake()
+        finally:
+            driver.close()
