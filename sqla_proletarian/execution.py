@@ -9,7 +9,6 @@ import socket
 import threading
 import time
 import traceback
-import uuid
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -33,7 +32,7 @@ from sqla_proletarian.errors import (
     is_transient,
 )
 from sqla_proletarian.handlers import JobContext, JobSession
-from sqla_proletarian.ledger import RunRecord
+from sqla_proletarian.ledger import ClaimRecords
 from sqla_proletarian.logs import log_event
 from sqla_proletarian.retry import RetryStrategy, as_retry_strategy
 from sqla_proletarian.serialization import Serializer
@@ -69,13 +68,13 @@ class RunSettings:
 class WorkerConnections:
     """A thread's claim connection and run-record connection, released together.
 
-    ``record`` is the thread's run record (see ``ledger``); ``owner`` vouches for it while
+    ``record`` holds the thread's run records (see ``ledger``); ``owner`` vouches for them while
     the ledger connection lives.
     """
 
     conn: Connection
     ledger: Connection | None
-    record: RunRecord | None
+    record: ClaimRecords | None
     _stack: ExitStack
     #: The server's idle-transaction limit where its errors do not name it (for log hints).
     idle_timeout: float | None = None
@@ -103,9 +102,7 @@ class _Claim:
     """A claimed job and what is known of its earlier runs."""
 
     job: dict[str, Any]
-    unclean_ends: int
-    #: The claim's run record, once written.
-    run_id: uuid.UUID | None = None
+    past: ledger.Past
     #: "claimed" until the handler starts, then "running".
     phase: Literal["claimed", "running"] = "claimed"
     #: Succeeded, and archived with the claim's other successes when it finishes.
@@ -179,7 +176,7 @@ class JobRunner:
             record = None
             if self._tracked:
                 worker = f"{self.settings.worker_id}@{self._host}/{threading.current_thread().name}"
-                record = RunRecord(self.dialect, owner, worker, self.now)
+                record = ClaimRecords(self.dialect, owner, worker, self.now)
             return WorkerConnections(conn, ledger_conn, record, stack.pop_all(), idle_timeout)
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -210,13 +207,12 @@ class JobRunner:
         if not self._separate_ledger:
             return
         records = [c.record for c in list(self._in_flight.values()) if c.record is not None]
-        run_ids = [r.run_id for r in records if r.run_id is not None]
+        run_ids = [run_id for r in records for run_id in r.run_ids.values()]
         if not run_ids:
             return
         try:
             with self.dialect.ledger_connection(self.engine) as conn:
-                for run_id in run_ids:
-                    conn.execute(*sql.end_run(run_id))
+                conn.execute(*sql.end_runs_by_id(run_ids))
         except Exception as exc:
             log_event(logging.WARNING, "run-record-cleanup-error", error=repr(exc))
             return
@@ -245,10 +241,12 @@ class JobRunner:
                 conn.commit()
                 return False
             self._in_flight[thread] = connections
+            claim = claims[0]
+            claims = self._record_claim(connections, claims)
             for claim in claims:
-                if self._stopping() or not self._begin_run(connections, claim):
-                    # stop() was called (no handler starts after it: the jobs not yet run
-                    # are released at the commit), or the job was taken meanwhile (SQLite).
+                if self._stopping():
+                    # No handler starts after stop(): the jobs not yet run are released at
+                    # the commit.
                     break
                 claim.phase = "running"
                 done.append((claim, *self._run(conn, claim)))
@@ -289,9 +287,9 @@ class JobRunner:
         succeeded = [c.job["job_id"] for c, _, _ in done if c.deferred]
         ended = [c.job["job_id"] for c, outcome, _ in done if outcome != "retried"]
         record = connections.record
-        own = record.run_id if record is not None else None
+        own = list(record.run_ids.values()) if record is not None else []
         if not succeeded:
-            if ended or own is not None:
+            if ended or own:
                 conn.execute(*sql.end_claim_runs(ended, own))
             return
         statements = sql.archive_succeeded(
@@ -325,31 +323,31 @@ class JobRunner:
         for row in conn.execute(*claim).mappings().all():
             job = dict(row)
             records = job.pop("runs", 0)
-            claims.append(
-                _Claim(job, ledger.unclean_ends(self.dialect, conn, job["job_id"], records))
-            )
-        return claims
+            claims.append(_Claim(job, ledger.past_runs(self.dialect, conn, job["job_id"], records)))
+        # A job whose batch died with its worker runs alone, so that a crash is charged to it.
+        suspects = [claim for claim in claims if claim.past.suspect]
+        return suspects[:1] if suspects and len(claims) > 1 else claims
 
-    def _begin_run(self, connections: WorkerConnections, claim: _Claim) -> bool:
-        """Record the run before the handler starts; False if the job was lost meanwhile."""
+    def _record_claim(self, connections: WorkerConnections, claims: list[_Claim]) -> list[_Claim]:
+        """Record the claim's runs before its first handler starts; the claims still held
+        (SQLite commits the records, then takes the job again: none if it was lost)."""
         record = connections.record
         if record is None:
-            return True
+            return claims
+        job_ids = [claim.job["job_id"] for claim in claims]
         if connections.ledger is not None:
-            record.begin(connections.ledger, claim.job["job_id"])
-            claim.run_id = record.run_id
-            return True
-        # One connection (SQLite): commit the record, then take the job again.
+            record.begin(connections.ledger, job_ids)
+            return claims
+        # One connection (SQLite, one job per claim): commit the record, then relock the job.
         conn = connections.conn
-        record.begin(conn, claim.job["job_id"])
-        claim.run_id = record.run_id
+        record.begin(conn, job_ids)
         conn.commit()
         self.dialect.begin_claim(conn)
-        again = conn.execute(*sql.relock(claim.job["job_id"])).mappings().first()
+        again = conn.execute(*sql.relock(job_ids[0])).mappings().first()
         if again is None:
-            return False
-        claim.job.update(again)
-        return True
+            return []
+        claims[0].job.update(again)
+        return claims[:1]
 
     def _give_up(self, connections: WorkerConnections) -> None:
         """End a claim without an outcome: roll it back, then remove its run record (the
@@ -362,7 +360,7 @@ class JobRunner:
         """Remove the thread's run record: on its own connection, else on a fresh one, else
         later (until then its live owner keeps it from counting)."""
         record = connections.record
-        if record is None or record.run_id is None:
+        if record is None or not record.run_ids:
             return
         on = connections.records_on
         if not on.invalidated and record.forget(on):
@@ -374,9 +372,9 @@ class JobRunner:
                         return
             except Exception as exc:
                 log_event(logging.DEBUG, "run-record-cleanup-error", error=repr(exc))
-        if record.run_id is not None:
-            ledger.add_orphan(self._database, record.run_id)
-            record.ended()
+        for run_id in record.run_ids.values():
+            ledger.add_orphan(self._database, run_id)
+        record.ended()
 
     def _clear_orphans(self, connections: WorkerConnections) -> None:
         orphans = ledger.take_orphans(self._database)
@@ -384,8 +382,7 @@ class JobRunner:
             return
         conn = connections.records_on
         try:
-            for run_id in orphans:
-                conn.execute(*sql.end_run(run_id))
+            conn.execute(*sql.end_runs_by_id(orphans))
             if conn.in_transaction():
                 conn.commit()
         except Exception:
@@ -412,7 +409,7 @@ class JobRunner:
             # exits cannot loop.
             _rollback_quietly(conn)
             if connections.record is not None and not connections.records_on.invalidated:
-                connections.record.disown(connections.records_on)
+                connections.record.disown(connections.records_on, claim.job["job_id"])
             return False
         lost_lock = isinstance(exc, JobTransactionLostError) or is_lock_conflict(exc)
         if lost_lock and not conn.invalidated:
@@ -464,7 +461,7 @@ class JobRunner:
                 self._forget(connections)
                 return
             claim.job.update(again)
-            attempts = claim.job["attempts"] + claim.unclean_ends + 1
+            attempts = claim.job["attempts"] + claim.past.unclean_ends + 1
             self._archive(conn, claim.job, "failure", attempts, describe(error))
             conn.commit()
         except Exception:
@@ -505,16 +502,15 @@ class JobRunner:
                 decode_error = PayloadDeserializationError(job["job_id"], str(exc))
             context = self._context(job, payload, session)
             limit = self.settings.max_unclean_ends
+            unclean = claim.past.unclean_ends
             # The archive's attempts count every run, those that ended uncleanly included.
-            runs = job["attempts"] + claim.unclean_ends + 1
-            if limit is not None and claim.unclean_ends >= limit:
-                crashed = JobCrashedError(job["job_id"], claim.unclean_ends)
-                log_event(logging.ERROR, "job-crashed", **fields, unclean_ends=claim.unclean_ends)
+            runs = job["attempts"] + unclean + 1
+            if limit is not None and unclean >= limit:
+                crashed = JobCrashedError(job["job_id"], unclean)
+                log_event(logging.ERROR, "job-crashed", **fields, unclean_ends=unclean)
                 return self._fail(conn, claim, context, crashed, runs - 1)
-            if claim.unclean_ends:
-                log_event(
-                    logging.WARNING, "job-interrupted", **fields, unclean_ends=claim.unclean_ends
-                )
+            if unclean:
+                log_event(logging.WARNING, "job-interrupted", **fields, unclean_ends=unclean)
             log_event(logging.DEBUG, "handling-job", **fields)
             try:
                 if decode_error is not None:
@@ -532,7 +528,7 @@ class JobRunner:
                     raise
                 log_event(logging.WARNING, "handle-job-exception", **fields, error=repr(exc))
                 return self._after_exception(conn, claim, context, exc, runs)
-            if claim.unclean_ends:
+            if claim.past.unclean_ends:
                 self._archive(conn, job, "success", runs, None, with_runs=False)
             else:
                 claim.deferred = True

@@ -1,23 +1,25 @@
-"""Crash accounting: which job each claim is running, so that only a dead worker is charged.
+"""Crash accounting: which jobs each claim is running, so that only a dead worker is charged.
 
-A claim has at most one run record, written (and committed at once) just before a handler
-starts, naming that handler's job. Its states, and who moves it between them:
+Just before a claim's first handler starts, the worker writes the claim's **run records**
+(committed at once): one for a claim of a single job, or one per job for a batch, marked
+``batched``. Their states, and who moves them:
 
 - **no record**: the job is queued, or its run ended with a recorded outcome.
-- **running**: the record names the job whose handler runs now, and its ``owner`` is alive
-  (a session lock of the worker's database connection; on SQLite, its process). Before the
-  next handler of a batch starts, the worker moves the record to that job, so a batch-mate
-  that finished or has not started is never named.
-- The worker removes the record in the job's own transaction when it records the outcome,
-  and by itself (``forget``) when it gives the run up while alive: a lost claim, a lock
-  conflict, a lost connection, an interrupt, or a shutdown that could not wait for it.
-- **unclean end**: the owner is gone (the process died, or its session ended with it) while
-  the record still names a job, or the worker disowned it because the handler ended the
-  worker (``SystemExit``). Only the job it names is charged.
+- **running**: the record's ``owner`` is alive (a session lock of the worker's database
+  connection; on SQLite, its process).
+- The worker removes the records in the claim's own transaction when it records the
+  outcomes, and by itself (``forget``) when it gives the claim up while alive: a lost claim,
+  a lock conflict, a lost connection, an interrupt, or a shutdown that could not wait.
+- **owner gone**: the process died (or its session ended with it) with the records still
+  there. A **solo** record is then an **unclean end** of its job. A batch's records charge
+  nobody, since which handler was running is not known: the claim that finds one runs that
+  job **alone** (a solo record), so a job that crashes its worker is charged from its solo
+  runs on, and its batch-mates, finished or not started, never are.
 
-A claim counts the records of its job whose owner is gone; a record whose owner lives is
-never counted, since its run is still in flight or being cleaned up. Records of a job leave
-with the job, so the tally is per job and survives any number of crashes.
+A claim counts the solo records of its job whose owner is gone; a record whose owner lives
+is never counted, since its run is still in flight or being cleaned up. Records of a job
+leave with the job, so the tally is per job and survives any number of crashes. A batch
+costs one record write, not one per job.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import os
 import threading
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import Connection
@@ -117,19 +120,37 @@ def owner_gone(kind: OwnerLock, owner: str | None, conn: Connection) -> bool:
     return bool(conn.execute(*sql.owner_gone(kind, owner)).scalar())
 
 
-def unclean_ends(dialect: Dialect, conn: Connection, job_id: uuid.UUID, records: int) -> int:
-    """How many runs of a claimed job ended with their worker; ``records`` came with the poll."""
+@dataclass(frozen=True)
+class Past:
+    """What a claim learns from a job's run records: its unclean ends, and whether a batch
+    it was in died (then it runs alone)."""
+
+    unclean_ends: int = 0
+    suspect: bool = False
+
+
+CLEAN = Past()
+
+
+def past_runs(dialect: Dialect, conn: Connection, job_id: uuid.UUID, records: int) -> Past:
+    """The dead records of a claimed job; ``records`` (all of them) came with the poll."""
     if records == 0:
-        return 0
-    rows = conn.execute(*sql.runs_of(job_id)).all()
-    return sum(1 for row in rows if owner_gone(dialect.owner_lock, row.owner, conn))
+        return CLEAN
+    dead = [
+        row
+        for row in conn.execute(*sql.runs_of(job_id)).all()
+        if owner_gone(dialect.owner_lock, row.owner, conn)
+    ]
+    return Past(
+        unclean_ends=sum(1 for row in dead if not row.batched),
+        suspect=any(row.batched for row in dead),
+    )
 
 
-class RunRecord:
-    """One claim's run record, moved from job to job and removed by its own worker.
+class ClaimRecords:
+    """A claim's run records, written before its first handler and removed by its own worker.
 
-    ``conn`` is the connection records are written on: the ledger's own autocommit one, or
-    (SQLite) the claim's, whose caller commits. ``worker`` names the thread in the record.
+    ``worker`` names the thread in the records; ``owner`` vouches for them.
     """
 
     def __init__(
@@ -143,33 +164,45 @@ class RunRecord:
         self.owner = owner
         self.worker = worker[:255]
         self.clock = clock
-        self.run_id: uuid.UUID | None = None
-        self.job_id: uuid.UUID | None = None
+        #: The claim's records, by job id.
+        self.run_ids: dict[uuid.UUID, uuid.UUID] = {}
 
-    def begin(self, conn: Connection, job_id: uuid.UUID) -> None:
-        """Name ``job_id`` as the job whose handler starts now (committed by the caller on
-        SQLite, at once elsewhere)."""
+    def begin(self, conn: Connection, job_ids: list[uuid.UUID]) -> None:
+        """Record the claim's runs (committed by the caller on SQLite, at once elsewhere)."""
         now = self.clock()
-        if self.run_id is None:
-            self.run_id = uuid.uuid4()
-            conn.execute(*sql.start_run(self.run_id, job_id, self.worker, self.owner, now))
-        else:
-            conn.execute(*sql.move_run(self.run_id, job_id, now))
-        self.job_id = job_id
+        batched = len(job_ids) > 1
+        self.run_ids = {job_id: uuid.uuid4() for job_id in job_ids}
+        rows = [
+            {
+                "run_id": run_id,
+                "job_id": job_id,
+                "worker_id": self.worker,
+                "owner": self.owner,
+                "started_at": now,
+                "batched": batched,
+            }
+            for job_id, run_id in self.run_ids.items()
+        ]
+        conn.execute(*sql.start_runs(rows))
 
     def ended(self) -> None:
-        """The outcome's commit removed the record."""
-        self.run_id = self.job_id = None
+        """The outcomes' commit removed the records."""
+        self.run_ids = {}
 
-    def disown(self, conn: Connection) -> None:
-        """Count the run as an unclean end at once: its handler ended the worker (a
-        ``SystemExit``), as a dying process would, but the process may live on."""
-        if self.run_id is None or self.job_id is None:
+    def disown(self, conn: Connection, job_id: uuid.UUID) -> None:
+        """Count ``job_id``'s run as an unclean end at once (its handler ended the worker with
+        ``SystemExit``, as a dying process would, but the process may live on); the claim's
+        other records go."""
+        if not self.run_ids:
             return
         try:
-            # Replaced by an ownerless record (INSERT and DELETE: the grants the ledger has).
-            conn.execute(*sql.end_run(self.run_id))
-            conn.execute(*sql.start_run(uuid.uuid4(), self.job_id, self.worker, None, self.clock()))
+            conn.execute(*sql.end_runs_by_id(list(self.run_ids.values())))
+            self.run_ids = {job_id: uuid.uuid4()}
+            self.owner, owner = None, self.owner
+            try:
+                self.begin(conn, [job_id])
+            finally:
+                self.owner = owner
             if conn.in_transaction():
                 conn.commit()
         except Exception as exc:
@@ -177,20 +210,20 @@ class RunRecord:
         self.ended()
 
     def forget(self, conn: Connection) -> bool:
-        """Remove the record of a run this live worker gives up; True if it is gone."""
-        if self.run_id is None:
+        """Remove the records of a claim this live worker gives up; True if they are gone."""
+        if not self.run_ids:
             return True
         try:
-            conn.execute(*sql.end_run(self.run_id))
+            conn.execute(*sql.end_runs_by_id(list(self.run_ids.values())))
             if conn.in_transaction():
                 conn.commit()
         except Exception as exc:
             log_event(
                 logging.WARNING,
                 "run-record-cleanup-error",
-                job_id=self.job_id,
+                runs=len(self.run_ids),
                 error=repr(exc),
-                hint="the record stays; it counts as an unclean end only once this worker is gone",
+                hint="the records stay; they count only once this worker is gone",
             )
             return False
         self.ended()

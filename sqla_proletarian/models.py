@@ -9,6 +9,7 @@ from typing import Any, Literal
 from sqlalchemy import (
     DDL,
     BigInteger,
+    Boolean,
     Column,
     Index,
     Integer,
@@ -195,6 +196,9 @@ class JobRun(Base):
     worker_id: Mapped[str] = mapped_column(String(255))
     started_at: Mapped[datetime] = mapped_column(UTCDateTime())
     owner: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    #: One of a batch's records: its job ran in a claim of several, so a crash then is
+    #: not charged to it; it runs alone next (see ``sqla_proletarian.ledger``).
+    batched: Mapped[bool | None] = mapped_column(Boolean(), nullable=True)
 
 
 LIBRARY_TABLES = frozenset(metadata.tables)

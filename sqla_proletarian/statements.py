@@ -18,7 +18,6 @@ from sqlalchemy import (
     Select,
     String,
     Table,
-    Uuid,
     bindparam,
     delete,
     func,
@@ -277,7 +276,7 @@ def _upserted(upsert: ArchiveUpsert, rows: Select[Any]) -> Insert:
 #: scans).
 _ENDED: BindParameter[Any] = bindparam("ended", expanding=True)
 _CLAIM_RUNS = delete(RUN).where(
-    RUN.c.job_id.in_(_ENDED) | (RUN.c.run_id == bindparam("own", type_=Uuid()))
+    RUN.c.job_id.in_(_ENDED) | RUN.c.run_id.in_(bindparam("own", expanding=True))
 )
 
 
@@ -299,15 +298,15 @@ def _succeeded_copy(upsert: ArchiveUpsert) -> Executable:
 _DELETE_JOBS = delete(JOB).where(JOB.c.job_id.in_(_IDS))
 
 
-def end_claim_runs(ended: list[uuid.UUID], own_run: uuid.UUID | None) -> Statement:
+def end_claim_runs(ended: list[uuid.UUID], own_runs: list[uuid.UUID]) -> Statement:
     """Remove the run records of the jobs a claim ended, and the claim's own."""
-    return _CLAIM_RUNS, {"ended": ended or [NO_RUN], "own": own_run or NO_RUN}
+    return _CLAIM_RUNS, {"ended": ended or [NO_RUN], "own": own_runs or [NO_RUN]}
 
 
 def archive_succeeded(
     job_ids: list[uuid.UUID],
     ended: list[uuid.UUID],
-    own_run: uuid.UUID | None,
+    own_runs: list[uuid.UUID],
     now: datetime,
     *,
     upsert: ArchiveUpsert,
@@ -321,7 +320,7 @@ def archive_succeeded(
     ``INSERT ... SELECT`` and two deletes. The first statement's row count (PostgreSQL) or
     the job delete's tells whether every job row was still there.
     """
-    runs = end_claim_runs(ended, own_run)
+    runs = end_claim_runs(ended, own_runs)
     if returning:
         return [(_succeeded_returning(upsert), {"ids": job_ids, "now": now, **runs[1]})]
     return [
@@ -343,35 +342,18 @@ def retry(job_id: uuid.UUID, retry_at: datetime) -> Statement:
     return _RETRY, {"id": job_id, "retry_at": retry_at}
 
 
-_START_RUN = insert(RUN)
+_START_RUNS = insert(RUN)
 
 
-def start_run(
-    run_id: uuid.UUID, job_id: uuid.UUID, worker_id: str, owner: str | None, now: datetime
-) -> Statement:
-    """Record that a run of a job has started (committed before the handler runs)."""
-    return _START_RUN, {
-        "run_id": run_id,
-        "job_id": job_id,
-        "worker_id": worker_id,
-        "owner": owner,
-        "started_at": now,
-    }
+def start_runs(rows: list[dict[str, Any]]) -> tuple[Executable, Any]:
+    """Record the runs a claim starts (committed before its first handler runs): one row, or
+    one per job of a batch (an executemany, which drivers send in one go)."""
+    return _START_RUNS, rows[0] if len(rows) == 1 else rows
 
 
-_MOVE_RUN = (
-    update(RUN)
-    .where(RUN.c.run_id == bindparam("id"))
-    .values(job_id=bindparam("job_id"), started_at=bindparam("now"))
+_RUNS_OF = select(RUN.c.run_id, RUN.c.owner, RUN.c.batched).where(
+    RUN.c.job_id == bindparam("job_id")
 )
-
-
-def move_run(run_id: uuid.UUID, job_id: uuid.UUID, now: datetime) -> Statement:
-    """Point a claim's run record at the next job of its batch, whose handler starts now."""
-    return _MOVE_RUN, {"id": run_id, "job_id": job_id, "now": now}
-
-
-_RUNS_OF = select(RUN.c.run_id, RUN.c.owner).where(RUN.c.job_id == bindparam("job_id"))
 
 
 def runs_of(job_id: uuid.UUID) -> Statement:
@@ -379,12 +361,12 @@ def runs_of(job_id: uuid.UUID) -> Statement:
     return _RUNS_OF, {"job_id": job_id}
 
 
-_END_RUN = delete(RUN).where(RUN.c.run_id == bindparam("run_id"))
+_END_RUNS_BY_ID = delete(RUN).where(RUN.c.run_id.in_(bindparam("ids", expanding=True)))
 
 
-def end_run(run_id: uuid.UUID) -> Statement:
-    """Remove one run's record: its outcome is recorded, or its live worker gave it up."""
-    return _END_RUN, {"run_id": run_id}
+def end_runs_by_id(run_ids: list[uuid.UUID]) -> Statement:
+    """Remove run records by id: their live worker gave their runs up."""
+    return _END_RUNS_BY_ID, {"ids": run_ids}
 
 
 # --- owners of run records: locks that live as long as the worker's session ----------------

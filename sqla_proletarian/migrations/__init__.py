@@ -162,7 +162,8 @@ def drop_tables(op: Operations | ModuleType | None = None) -> None:
 
 
 def add_run_owners(op: Operations | ModuleType | None = None) -> None:
-    """Give each run record the owner whose live session vouches for it (``sqlap_0002``).
+    """Give each run record the owner whose live session vouches for it, and whether it is
+    one of a batch's records (``sqlap_0002``).
 
     Run records written before this revision have no owner and could not be told apart from
     those of dead workers, so they are removed: at worst a crash counted earlier is forgotten.
@@ -171,12 +172,14 @@ def add_run_owners(op: Operations | ModuleType | None = None) -> None:
     ops = _operations(op)
     ops.execute(sa.table(_JOB_RUN).delete())
     ops.add_column(_JOB_RUN, sa.Column("owner", sa.String(64), nullable=True))
+    ops.add_column(_JOB_RUN, sa.Column("batched", sa.Boolean(), nullable=True))
 
 
 def drop_run_owners(op: Operations | ModuleType | None = None) -> None:
     """Undo :func:`add_run_owners`."""
     ops = _operations(op)
     ops.execute(sa.table(_JOB_RUN).delete())
+    ops.drop_column(_JOB_RUN, "batched")
     ops.drop_column(_JOB_RUN, "owner")
 
 

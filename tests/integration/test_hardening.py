@@ -297,7 +297,8 @@ class LiveOwner:
 
     def record(self, job_id: uuid.UUID) -> None:
         assert self.conn is not None
-        ledger.RunRecord(self.dialect, self.owner, "live", sp.utc_now).begin(self.conn, job_id)
+        records = ledger.ClaimRecords(self.dialect, self.owner, "live", sp.utc_now)
+        records.begin(self.conn, [job_id])
 
     def die(self) -> None:
         """The owner's session ends (the worker process is gone)."""
@@ -347,25 +348,30 @@ def test_a_run_record_counts_as_an_unclean_end_once_its_worker_is_gone(
     assert run_records(engine) == 0
 
 
-def test_a_claim_run_record_moves_to_the_next_job_of_a_batch_so_only_the_running_one_is_charged(
+def test_the_records_of_a_batch_whose_worker_died_charge_nobody_and_make_its_jobs_suspects(
     engine: sa.Engine, backend: str
 ) -> None:
-    """The ledger's record names only the job whose handler runs: moved to the next job of a
-    batch, a finished batch-mate is not charged when the worker then dies."""
+    """Which handler of a batch was running when its worker died is not known, so a dead
+    batch's records are no unclean end of any of its jobs; they mark the jobs to run alone."""
     if backend == "sqlite":
         pytest.skip("SQLite's owner is the process: it cannot die inside this test")
     finished = enqueue_committed(engine, "finished")
     running = enqueue_committed(engine, "running")
     owner = LiveOwner(engine)
     assert owner.conn is not None
-    record = ledger.RunRecord(owner.dialect, owner.owner, "batch", sp.utc_now)
-    record.begin(owner.conn, finished)
-    record.begin(owner.conn, running)
+    records = ledger.ClaimRecords(owner.dialect, owner.owner, "batch", sp.utc_now)
+    records.begin(owner.conn, [finished, running])
     owner.die()
     dialect = dialect_of(engine)
     with engine.begin() as conn:
-        assert ledger.unclean_ends(dialect, conn, finished, 0) == 0
-        assert ledger.unclean_ends(dialect, conn, running, 1) == 1
+        for job_id in (finished, running):
+            past = ledger.past_runs(dialect, conn, job_id, 1)
+            assert (past.unclean_ends, past.suspect) == (0, True)
+    ran: list[str] = []
+    assert sp.process_next_job(
+        engine, lambda job_type, payload: ran.append(job_type), batch_size=5, max_unclean_ends=1
+    )
+    assert ran == ["finished"], "a suspect runs alone"
 
 
 def test_a_killed_job_connection_under_a_live_worker_is_no_unclean_end(

@@ -45,8 +45,6 @@ WORKER_GRANTS: list[Grant] = [
     ("UPDATE", "proletarian_archived_job"),
     ("SELECT", "proletarian_job_run"),
     ("INSERT", "proletarian_job_run"),
-    # A batch's run record moves to each job as its handler starts.
-    ("UPDATE", "proletarian_job_run"),
     ("DELETE", "proletarian_job_run"),
 ]
 ENQUEUER_GRANTS: dict[str, list[Grant]] = {
@@ -193,7 +191,7 @@ def leave_unclean_end(engine: sa.Engine, job_id: uuid.UUID) -> None:
 
 def work_off(worker: Role, queue: str, max_unclean_ends: int | None) -> list[str]:
     """Run the queue dry as the worker role: success, a retry, a failure and a crash, in
-    batches of two (so the claim's run record moves from job to job)."""
+    claims of up to two jobs."""
     flaked: set[str] = set()
     failed: list[str] = []
 
@@ -283,7 +281,7 @@ def test_a_worker_without_the_crash_ledger_only_removes_leftover_run_records(
 ) -> None:
     """With max_unclean_ends=None the worker writes no run records; it only deletes those
     left by earlier runs when their job leaves the queue (SELECT and DELETE)."""
-    ledger_grants = [("INSERT", "proletarian_job_run"), ("UPDATE", "proletarian_job_run")]
+    ledger_grants = [("INSERT", "proletarian_job_run")]
     grants = list(WORKER_GRANTS)
     worker = roles.make("worker", [g for g in grants if g not in ledger_grants])
     exercise_worker(engine, worker, "no-ledger", ledger=False)
