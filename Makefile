@@ -51,8 +51,6 @@ lint: venv
 # The whole suite; then the worker's conformance tests again through psycopg2 (what a plain
 # postgresql:// URL uses), and a subset on the oldest SQLAlchemy claimed.
 PSYCOPG2_TESTS := tests/integration/test_hardening.py tests/integration/test_worker_outcomes.py \
-	tests/integration/test_crash_loop.py tests/integration/test_concurrency.py \
-	tests/integration/test_shutdown.py tests/integration/test_privileges.py \
 	tests/integration/test_batches.py tests/integration/test_wakeups.py
 
 test: venv lint $(VENV_SQLA_OLDEST)/.installed.stamp
@@ -66,8 +64,7 @@ test: venv lint $(VENV_SQLA_OLDEST)/.installed.stamp
 # backend. (`tox -e sqla-oldest,sqla-newest` runs the whole suite on 2.0.30 and on 2.1.)
 SQLA_OLDEST_TESTS := tests/unit tests/integration/test_enqueue.py \
 	tests/integration/test_worker_outcomes.py tests/integration/test_app_integrations.py \
-	tests/integration/test_flask_sqlalchemy_example.py tests/integration/test_examples.py \
-	tests/integration/test_hardening.py tests/migrations
+	tests/integration/test_flask_sqlalchemy_example.py tests/integration/test_examples.py
 
 $(VENV_SQLA_OLDEST)/.installed.stamp: pyproject.toml
 	test -x $(VENV_SQLA_OLDEST)/bin/python || $(PYTHON) -m venv $(VENV_SQLA_OLDEST)
