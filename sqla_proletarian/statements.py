@@ -18,6 +18,8 @@ from sqlalchemy import (
     Select,
     String,
     Table,
+    Uuid,
+    any_,
     bindparam,
     delete,
     func,
@@ -280,12 +282,17 @@ _CLAIM_RUNS = delete(RUN).where(
 )
 
 
+def _any(name: str) -> Any:
+    """``= ANY(:name)`` with one array parameter: the same SQL text for any number of ids,
+    so PostgreSQL drivers can prepare it once."""
+    return any_(bindparam(name, type_=postgresql.ARRAY(Uuid())))
+
+
 @cache
 def _succeeded_returning(upsert: ArchiveUpsert) -> Executable:
-    done = delete(JOB).where(JOB.c.job_id.in_(_IDS)).returning(*_SUCCEEDED).cte("done")
-    statement = (
-        _upserted(upsert, _as_archived(done.c)).add_cte(done).add_cte(_CLAIM_RUNS.cte("runs"))
-    )
+    done = delete(JOB).where(JOB.c.job_id == _any("ids")).returning(*_SUCCEEDED).cte("done")
+    runs = delete(RUN).where((RUN.c.job_id == _any("ended")) | (RUN.c.run_id == _any("own")))
+    statement = _upserted(upsert, _as_archived(done.c)).add_cte(done).add_cte(runs.cte("runs"))
     return statement.execution_options(preserve_rowcount=True)
 
 
