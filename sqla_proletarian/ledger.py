@@ -183,7 +183,7 @@ class ClaimRecords:
             }
             for job_id, run_id in self.run_ids.items()
         ]
-        conn.execute(*sql.start_runs(rows))
+        conn.execute(*sql.start_runs(rows, unnest=self.dialect.bulk_insert_unnest))
 
     def ended(self) -> None:
         """The outcomes' commit removed the records."""

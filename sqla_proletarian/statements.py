@@ -107,21 +107,23 @@ def insert_job(values: dict[str, Any]) -> Statement:
 
 
 @cache
-def _insert_jobs_unnest() -> Executable:
+def _insert_unnest(table: Table, columns: tuple[str, ...]) -> Executable:
     arrays = [
-        func.unnest(bindparam(name, type_=postgresql.ARRAY(JOB.c[name].type))).label(name)
-        for name in ENQUEUED_COLUMNS
+        func.unnest(bindparam(name, type_=postgresql.ARRAY(table.c[name].type))).label(name)
+        for name in columns
     ]
-    return insert(JOB).from_select(list(ENQUEUED_COLUMNS), select(*arrays))
+    return insert(table).from_select(list(columns), select(*arrays))
+
+
+def _as_arrays(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> dict[str, list[Any]]:
+    return {name: [row[name] for row in rows] for name in columns}
 
 
 def insert_jobs(rows: list[dict[str, Any]], *, unnest: bool) -> tuple[Executable, Any]:
     """Enqueue many jobs in one statement: ``INSERT ... SELECT unnest(...)`` of one array per
     column (PostgreSQL), or an executemany that the driver sends as multi-row INSERTs."""
     if unnest:
-        return _insert_jobs_unnest(), {
-            name: [row[name] for row in rows] for name in ENQUEUED_COLUMNS
-        }
+        return _insert_unnest(JOB, ENQUEUED_COLUMNS), _as_arrays(rows, ENQUEUED_COLUMNS)
     return _INSERT_JOB, rows
 
 
@@ -352,10 +354,18 @@ def retry(job_id: uuid.UUID, retry_at: datetime) -> Statement:
 _START_RUNS = insert(RUN)
 
 
-def start_runs(rows: list[dict[str, Any]]) -> tuple[Executable, Any]:
+_RUN_COLUMNS = ("run_id", "job_id", "worker_id", "owner", "started_at", "batched")
+
+
+def start_runs(rows: list[dict[str, Any]], *, unnest: bool = False) -> tuple[Executable, Any]:
     """Record the runs a claim starts (committed before its first handler runs): one row, or
-    one per job of a batch (an executemany, which drivers send in one go)."""
-    return _START_RUNS, rows[0] if len(rows) == 1 else rows
+    one per job of a batch (one ``INSERT ... SELECT unnest(...)`` on PostgreSQL, else an
+    executemany, which drivers send in one go)."""
+    if len(rows) == 1:
+        return _START_RUNS, rows[0]
+    if unnest:
+        return _insert_unnest(RUN, _RUN_COLUMNS), _as_arrays(rows, _RUN_COLUMNS)
+    return _START_RUNS, rows
 
 
 _RUNS_OF = select(RUN.c.run_id, RUN.c.owner, RUN.c.batched).where(
