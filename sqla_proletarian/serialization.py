@@ -23,6 +23,15 @@ class Serializer(Protocol):
     def loads(self, text: str) -> Any: ...
 
 
+#: The keys and indexes from the payload down to a value.
+Path = tuple[str | int, ...]
+
+
+def _where(path: Path) -> str:
+    """A value's place, as an error names it: ``payload['items'][0]``."""
+    return "payload" + "".join(f"[{step!r}]" for step in path)
+
+
 def _tagged(kind: str, value: str) -> dict[str, str]:
     return {TAG: kind, "value": value}
 
@@ -38,7 +47,7 @@ class JsonSerializer:
 
     def dumps(self, payload: Any) -> str:
         try:
-            encoded = self._encode(payload, "payload", set())
+            encoded = self._encode(payload, (), set())
             return json.dumps(encoded, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
         except RecursionError:
             raise PayloadSerializationError(
@@ -56,7 +65,8 @@ class JsonSerializer:
     def loads(self, text: str) -> Any:
         return json.loads(text, object_hook=self._decode_object)
 
-    def _encode(self, value: Any, where: str, seen: set[int]) -> Any:
+    def _encode(self, value: Any, path: Path, seen: set[int]) -> Any:
+        # ``path`` is the keys and indexes down to ``value``, spelled out only in an error.
         if value is None or isinstance(value, bool | str):
             return value
         if isinstance(value, int):
@@ -64,7 +74,7 @@ class JsonSerializer:
         if isinstance(value, float):
             if not math.isfinite(value):
                 raise PayloadSerializationError(
-                    f"{where} is {value!r}; NaN and infinities have no JSON form: "
+                    f"{_where(path)} is {value!r}; NaN and infinities have no JSON form: "
                     "use None or a string",
                     value,
                 )
@@ -78,41 +88,41 @@ class JsonSerializer:
         if isinstance(value, Decimal):
             if not value.is_finite():
                 raise PayloadSerializationError(
-                    f"{where} is Decimal {value}; only finite decimals can be stored", value
+                    f"{_where(path)} is Decimal {value}; only finite decimals can be stored", value
                 )
             return _tagged("decimal", str(value))
         if isinstance(value, list | tuple | dict):
             if id(value) in seen:
                 raise PayloadSerializationError(
-                    f"{where} contains itself (a cycle); pass a tree of values", value
+                    f"{_where(path)} contains itself (a cycle); pass a tree of values", value
                 )
             seen.add(id(value))
             try:
                 if isinstance(value, dict):
-                    return self._encode_dict(value, where, seen)
-                return [self._encode(item, f"{where}[{i}]", seen) for i, item in enumerate(value)]
+                    return self._encode_dict(value, path, seen)
+                return [self._encode(item, (*path, i), seen) for i, item in enumerate(value)]
             finally:
                 seen.discard(id(value))
         raise PayloadSerializationError(
-            f"{where} is a {type(value).__name__}, which cannot be stored as JSON; "
+            f"{_where(path)} is a {type(value).__name__}, which cannot be stored as JSON; "
             "pass None, bool, int, float, str, list, dict, datetime, date, UUID or Decimal",
             value,
         )
 
-    def _encode_dict(self, value: dict[Any, Any], where: str, seen: set[int]) -> dict[str, Any]:
+    def _encode_dict(self, value: dict[Any, Any], path: Path, seen: set[int]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for key, item in value.items():
             if not isinstance(key, str):
                 raise PayloadSerializationError(
-                    f"{where} has the key {key!r} of type {type(key).__name__}; "
+                    f"{_where(path)} has the key {key!r} of type {type(key).__name__}; "
                     "JSON keys must be strings",
                     value,
                 )
             if key == TAG:
                 raise PayloadSerializationError(
-                    f"{where} uses the reserved key {TAG!r}; rename it", value
+                    f"{_where(path)} uses the reserved key {TAG!r}; rename it", value
                 )
-            out[key] = self._encode(item, f"{where}[{key!r}]", seen)
+            out[key] = self._encode(item, (*path, key), seen)
         return out
 
     @staticmethod
