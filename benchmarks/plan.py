@@ -1,0 +1,459 @@
+"""What a run measures: every figure of every contender, as measurements that add their
+rows to the results, each tagged for ``--only``."""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from benchmarks import library, raw, scale, vs_pgqueuer, vs_procrastinate
+from benchmarks.report import Results
+from benchmarks.servers import Server
+
+#: The tags ``--only`` accepts, by kind: a measurement runs when, for every kind named,
+#: one of its tags was named.
+KINDS = {
+    "part": ("drain", "enqueue", "latency", "deep", "polls", "memory"),
+    "contender": ("raw", "library", "pgqueuer", "procrastinate"),
+    "server": ("postgresql", "mariadb"),
+}
+
+
+@dataclass
+class Settings:
+    """The sizes of a run (``--quick`` makes them small)."""
+
+    rounds: int = 5
+    jobs: int = 10_000
+    per_transaction: int = 50
+    batch_sizes: tuple[int, ...] = (10, 50, 100)
+    sweep_jobs: int = 5_000
+    sweep_passes: int = 2
+    commits: int = 1_000
+    latency_samples: int = 25
+    shallow: int = 10_000
+    deep: int = 1_000_000
+    head: int = 5_000
+    deletes: int = 100_000
+    poll_seconds: float = 2.0
+    memory_jobs: int = 1_000_000
+    memory_seconds: float = 180.0
+
+    @classmethod
+    def quick(cls) -> Settings:
+        return cls(
+            rounds=1,
+            jobs=2_000,
+            sweep_jobs=1_000,
+            sweep_passes=1,
+            commits=200,
+            latency_samples=10,
+            deep=100_000,
+            head=1_000,
+            deletes=20_000,
+            poll_seconds=1.0,
+            memory_jobs=20_000,
+            memory_seconds=30.0,
+        )
+
+
+@dataclass
+class Measurement:
+    """One measurement of one round; ``run`` adds its rows to the results."""
+
+    tags: frozenset[str]
+    run: Callable[[Results], None]
+    label: str
+    once: bool = False
+
+
+@dataclass
+class Tuned:
+    """The settings the sweep found fastest for a contender, and what it tried."""
+
+    settings: dict[str, Any]
+    tried: list[tuple[dict[str, Any], float]] = field(default_factory=list)
+
+
+def wanted(tags: frozenset[str], only: set[str]) -> bool:
+    for names in KINDS.values():
+        named = only & set(names)
+        if named and not named & tags:
+            return False
+    return True
+
+
+def sweep(
+    drain: Callable[..., float], grid: dict[str, tuple[Any, ...]], jobs: int, passes: int
+) -> Tuned:
+    """Drain ``jobs`` ``passes`` times with every combination of the grid (all combinations
+    in one pass, then the next); the fastest on average is tuned."""
+    combinations = [
+        dict(zip(grid, values, strict=True)) for values in itertools.product(*grid.values())
+    ]
+    rates: list[list[float]] = [[] for _ in combinations]
+    for _ in range(passes):
+        for settings, found in zip(combinations, rates, strict=True):
+            found.append(drain(jobs, **settings))
+            print(f"    sweep {describe(settings)}: {found[-1]:,.0f} jobs/s", flush=True)
+    tried = [
+        (settings, statistics.mean(found))
+        for settings, found in zip(combinations, rates, strict=True)
+    ]
+    best = max(tried, key=lambda item: item[1])[0]
+    return Tuned(best, tried)
+
+
+def describe(settings: dict[str, Any]) -> str:
+    """Settings in words: ``asyncpg, batch_size=10, 1 process``."""
+    words = []
+    for key, value in settings.items():
+        if key == "processes":
+            words.append(f"{value} process" + ("es" if value != 1 else ""))
+        elif key == "driver":
+            words.append(str(value))
+        else:
+            words.append(f"{key}={value}")
+    return ", ".join(words)
+
+
+def _rate(
+    results: Results,
+    section: str,
+    name: str,
+    unit: str,
+    ref: str | None,
+    measure: Callable[[], float],
+) -> None:
+    try:
+        results.add(section, name, measure(), unit, ref)
+    except library.NotAvailable as exc:
+        results.missing(section, name, unit, str(exc), ref)
+
+
+def _tag(*tags: str) -> frozenset[str]:
+    return frozenset(tags)
+
+
+class Plan:
+    """The measurements of a run, in the order each round takes them."""
+
+    def __init__(self, settings: Settings, servers: list[Server]) -> None:
+        self.s = settings
+        self.servers = servers
+        self.tuned: dict[str, Tuned] = {}
+        self.measurements: list[Measurement] = []
+        self.batched = library.has_batches(servers[0].engine())
+        for server in servers:
+            self._drains(server)
+        for server in servers:
+            self._enqueues(server)
+        for server in servers:
+            self._latencies(server)
+        for server in servers:
+            self._scale(server)
+        self._memory(servers[0])
+
+    def _add(
+        self, tags: frozenset[str], label: str, run: Callable[[Results], None], once: bool = False
+    ) -> None:
+        self.measurements.append(Measurement(tags, run, label, once))
+
+    # --- drain -------------------------------------------------------------------------
+
+    def drain_section(self, server: Server) -> str:
+        return f"drain, {server.label}: {self.s.jobs:,} queued jobs, 4 threads unless said"
+
+    def _drains(self, server: Server) -> None:
+        s, engine, url = self.s, server.engine(), server.urls["bench"]
+        key = server.label.split()[0].lower()
+        section = self.drain_section(server)
+        raw1, rawn = "raw SQL, 1 job/transaction", f"raw SQL, {s.per_transaction} jobs/transaction"
+        sp_default = "sqla-proletarian, batch_size=1, ledger on (defaults)"
+        rate = "jobs/s"
+
+        def add(
+            tags: frozenset[str], name: str, ref: str | None, measure: Callable[[], float]
+        ) -> None:
+            self._add(
+                tags,
+                f"{section}: {name}",
+                lambda results: _rate(results, section, name, rate, ref, measure),
+            )
+
+        add(_tag("drain", "raw", key), raw1, None, lambda: raw.drain(engine, s.jobs, 1))
+        add(
+            _tag("drain", "raw", key),
+            rawn,
+            raw1,
+            lambda: raw.drain(engine, s.jobs, s.per_transaction),
+        )
+        lib = _tag("drain", "library", key)
+        add(lib, sp_default, raw1, lambda: library.drain(engine, s.jobs))
+        add(
+            lib,
+            "sqla-proletarian, batch_size=1, ledger off",
+            raw1,
+            lambda: library.drain(engine, s.jobs, max_unclean_ends=None),
+        )
+        batch_rows = []
+        for batch in s.batch_sizes:
+            name = f"sqla-proletarian, batch_size={batch}"
+            batch_rows.append(name)
+            add(
+                lib, name, rawn, lambda batch=batch: library.drain(engine, s.jobs, batch_size=batch)
+            )
+        options = {"batch_size": s.per_transaction} if self.batched else {}
+        setting = f"batch_size={s.per_transaction}" if self.batched else "batch_size=1"
+        one = f"sqla-proletarian, 1 process x 4 threads, {setting}"
+        two = f"sqla-proletarian, 2 processes x 4 threads, {setting}"
+        add(lib, one, rawn, lambda: library.drain_processes(engine, url, s.jobs, 1, **options))
+        add(lib, two, one, lambda: library.drain_processes(engine, url, s.jobs, 2, **options))
+        self.library_rows = [
+            sp_default,
+            "sqla-proletarian, batch_size=1, ledger off",
+            *batch_rows,
+            one,
+            two,
+        ]
+        self.batch_rows = batch_rows
+        if not server.is_postgresql:
+            return
+        pgq, pro = server.libpq_dsn("bench_pgqueuer"), server.libpq_dsn("bench_procrastinate")
+        contenders: list[tuple[str, Any, dict[str, Any]]] = [
+            ("pgqueuer", vs_pgqueuer, vs_pgqueuer.DEFAULTS),
+            ("procrastinate", vs_procrastinate, vs_procrastinate.DEFAULTS),
+        ]
+        for name, module, defaults in contenders:
+            dsn = pgq if name == "pgqueuer" else pro
+            tags = _tag("drain", name, key)
+            add(
+                tags,
+                f"{name} defaults ({describe(defaults)})",
+                sp_default,
+                lambda module=module, dsn=dsn, defaults=defaults: module.drain(
+                    dsn, s.jobs, **defaults
+                ),
+            )
+            self._add(
+                tags,
+                f"{section}: {name} tuned",
+                lambda results, name=name, module=module, dsn=dsn: self._tuned_drain(
+                    results, section, name, module, dsn
+                ),
+            )
+
+    def _tuned_drain(
+        self, results: Results, section: str, name: str, module: Any, dsn: str
+    ) -> None:
+        if name not in self.tuned:
+            passes = self.s.sweep_passes
+            print(f"  tuning {name}: {self.s.sweep_jobs:,} jobs x {passes} per setting", flush=True)
+            self.tuned[name] = sweep(
+                lambda jobs, **kw: module.drain(dsn, jobs, **kw),
+                module.SWEEP,
+                self.s.sweep_jobs,
+                passes,
+            )
+        settings = self.tuned[name].settings
+        results.add(
+            section,
+            f"{name} tuned ({describe(settings)})",
+            module.drain(dsn, self.s.jobs, **settings),
+            "jobs/s",
+            "sqla-proletarian, best setting",
+        )
+
+    # --- enqueue -----------------------------------------------------------------------
+
+    def _enqueues(self, server: Server) -> None:
+        s, engine = self.s, server.engine()
+        key = server.label.split()[0].lower()
+        section = f"enqueue, {server.label}"
+        bulk = f"raw SQL, one executemany INSERT of {s.jobs:,} jobs + COMMIT"
+        commit = "raw SQL, INSERT + COMMIT per job (1 thread)"
+        plain = "Session: add a plain ORM row of a job's size + commit, per row"
+
+        def add(
+            tags: frozenset[str], name: str, ref: str | None, measure: Callable[[], float]
+        ) -> None:
+            self._add(
+                tags,
+                f"{section}: {name}",
+                lambda results: _rate(results, section, name, "jobs/s", ref, measure),
+            )
+
+        add(_tag("enqueue", "raw", key), bulk, None, lambda: raw.bulk_insert(engine, s.jobs))
+        add(
+            _tag("enqueue", "library", key),
+            f"sqla-proletarian enqueue_many of {s.jobs:,} jobs",
+            bulk,
+            lambda: library.enqueue_many(engine, s.jobs),
+        )
+        if server.is_postgresql:
+            add(
+                _tag("enqueue", "pgqueuer", key),
+                f"pgqueuer bulk enqueue of {s.jobs:,} jobs",
+                bulk,
+                lambda: vs_pgqueuer.fill(server.libpq_dsn("bench_pgqueuer"), s.jobs),
+            )
+            add(
+                _tag("enqueue", "procrastinate", key),
+                f"procrastinate batch_defer of {s.jobs:,} jobs",
+                bulk,
+                lambda: vs_procrastinate.fill(server.libpq_dsn("bench_procrastinate"), s.jobs),
+            )
+        add(
+            _tag("enqueue", "raw", key),
+            commit,
+            None,
+            lambda: raw.insert_commit_loop(engine, s.commits),
+        )
+        add(
+            _tag("enqueue", "library", key),
+            "sqla-proletarian enqueue(connection) + commit per job",
+            commit,
+            lambda: library.enqueue_per_connection(engine, s.commits),
+        )
+        add(
+            _tag("enqueue", "library", key),
+            plain,
+            None,
+            lambda: library.plain_row_per_session(engine, s.commits),
+        )
+        add(
+            _tag("enqueue", "library", key),
+            "Session: sqla-proletarian enqueue(session) + commit, per job",
+            plain,
+            lambda: library.enqueue_per_session(engine, s.commits),
+        )
+
+    # --- latency -----------------------------------------------------------------------
+
+    def _latencies(self, server: Server) -> None:
+        s, engine, url = self.s, server.engine(), server.urls["bench"]
+        key = server.label.split()[0].lower()
+        section = (
+            f"idle latency, {server.label}: enqueue's commit -> handler start,"
+            f" {s.latency_samples} jobs a round"
+        )
+        wakeup = "LISTEN/NOTIFY wake-up" if server.is_postgresql else "polling_interval=0.1"
+        ours = f"sqla-proletarian defaults, worker in another process ({wakeup})"
+
+        def add(tags: frozenset[str], name: str, measure: Callable[[], list[float]]) -> None:
+            def run(results: Results) -> None:
+                try:
+                    latencies = sorted(1000 * value for value in measure())
+                except library.NotAvailable as exc:
+                    for p in ("p50", "p99"):
+                        results.missing(section, f"{name} {p}", "ms", str(exc), f"{ours} {p}")
+                    return
+                p99 = latencies[min(len(latencies) - 1, round(0.99 * (len(latencies) - 1)))]
+                ref50 = None if name == ours else f"{ours} p50"
+                ref99 = None if name == ours else f"{ours} p99"
+                results.add(section, f"{name} p50", statistics.median(latencies), "ms", ref50)
+                results.add(section, f"{name} p99", p99, "ms", ref99)
+
+            self._add(tags, f"{section}: {name}", run)
+
+        lib = _tag("latency", "library", key)
+        add(lib, ours, lambda: library.idle_latency(engine, url, s.latency_samples))
+        if server.is_postgresql:
+            add(
+                lib,
+                "sqla-proletarian poll_only=True, another process (polling_interval=0.1)",
+                lambda: library.idle_latency(engine, url, s.latency_samples, poll_only=True),
+            )
+        add(
+            lib,
+            "sqla-proletarian defaults, worker in the enqueuing process (in-process wake-up)",
+            lambda: library.idle_latency_in_process(engine, s.latency_samples),
+        )
+        if not server.is_postgresql:
+            return
+        pgq, pro = server.libpq_dsn("bench_pgqueuer"), server.libpq_dsn("bench_procrastinate")
+        add(
+            _tag("latency", "pgqueuer", key),
+            "pgqueuer defaults (asyncpg, LISTEN/NOTIFY)",
+            lambda: vs_pgqueuer.idle_latency(pgq, s.latency_samples),
+        )
+        add(
+            _tag("latency", "pgqueuer", key),
+            "pgqueuer through psycopg (LISTEN/NOTIFY)",
+            lambda: vs_pgqueuer.idle_latency(pgq, s.latency_samples, "psycopg"),
+        )
+        add(
+            _tag("latency", "procrastinate", key),
+            "procrastinate defaults (LISTEN/NOTIFY)",
+            lambda: vs_procrastinate.idle_latency(pro, s.latency_samples),
+        )
+
+    # --- scale -------------------------------------------------------------------------
+
+    def _scale(self, server: Server) -> None:
+        s, engine, deep = self.s, server.engine(), server.engine("bench_deep")
+        key = server.label.split()[0].lower()
+        section = f"deep queue, {server.label}: the first {s.head:,} jobs, defaults"
+        shallow = f"{s.shallow:,} queued"
+
+        def head(results: Results) -> None:
+            scale.deep_queue(engine, s.shallow)
+            results.add(section, shallow, scale.head_drain(engine, s.head), "jobs/s")
+            if s.deep > 0:
+                results.add(
+                    section, f"{s.deep:,} queued", scale.head_drain(deep, s.head), "jobs/s", shallow
+                )
+
+        self._add(_tag("deep", "library", key), section, head)
+        polls = f"polls of an empty queue, {server.label}: the worker's poll, 1 thread"
+        fresh = "fresh table"
+
+        def dead(results: Results) -> None:
+            found = scale.dead_index_polls(engine, s.deletes, s.poll_seconds)
+            results.add(polls, fresh, found["fresh"], "polls/s")
+            results.add(
+                polls, f"after {s.deletes:,} deletes, no vacuum", found["after"], "polls/s", fresh
+            )
+            results.add(
+                polls,
+                f"after {s.deletes:,} deletes, an older transaction still open",
+                found["held"],
+                "polls/s",
+                fresh,
+            )
+
+        self._add(_tag("polls", "library", key), polls, dead)
+
+    def fill_deep(self, only: set[str]) -> None:
+        """Fill every server's deep queue once, if a deep-queue measurement will run."""
+        for server in self.servers:
+            key = server.label.split()[0].lower()
+            if self.s.deep > 0 and wanted(_tag("deep", "library", key), only):
+                print(
+                    f"  filling the deep queue on {server.label}: {self.s.deep:,} jobs", flush=True
+                )
+                scale.deep_queue(server.engine("bench_deep"), self.s.deep)
+
+    # --- memory --------------------------------------------------------------------------
+
+    def _memory(self, server: Server) -> None:
+        s, engine, url = self.s, server.engine(), server.urls["bench"]
+        options = {"batch_size": s.per_transaction} if self.batched else {}
+        setting = f"batch_size={s.per_transaction}" if self.batched else "defaults"
+        section = f"worker process peak RSS, {server.label}, 4 threads, {setting}"
+        checkpoints = sorted({min(s.shallow, s.memory_jobs), s.memory_jobs})
+
+        def run(results: Results) -> None:
+            readings = scale.peak_rss(engine, url, checkpoints, s.memory_seconds, **options)
+            previous = None
+            for (jobs, mib), wanted_jobs in zip(readings, [0, *checkpoints], strict=False):
+                name = "at start" if jobs == 0 else f"after {jobs:,} jobs"
+                if jobs < wanted_jobs:
+                    name += f" (stopped at the {s.memory_seconds:.0f} s limit)"
+                results.add(section, name, mib, "MiB", previous)
+                previous = name
+
+        self._add(_tag("memory", "library", "postgresql"), section, run, once=True)

@@ -1,0 +1,116 @@
+"""The results of a run: rows of values over the rounds, printed as one table of medians
+(min-max) and ratios, and written as Markdown."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Row:
+    """One figure of one contender: a value per round, or why there is none."""
+
+    section: str
+    name: str
+    unit: str
+    ref: str | None = None
+    values: list[float] = field(default_factory=list)
+    note: str | None = None
+
+    @property
+    def median(self) -> float | None:
+        return statistics.median(self.values) if self.values else None
+
+    def spread(self) -> str:
+        if not self.values:
+            return self.note or "n/a"
+        text = _number(statistics.median(self.values), self.unit)
+        if len(self.values) > 1:
+            low, high = _number(min(self.values), self.unit), _number(max(self.values), self.unit)
+            text += f" ({low}-{high})"
+        return text
+
+
+def _number(value: float, unit: str) -> str:
+    if unit in ("ms", "MiB"):
+        return f"{value:,.1f}"
+    return f"{value:,.0f}"
+
+
+class Results:
+    """Rows in the order they were first added, by (section, name)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[tuple[str, str], Row] = {}
+        self.notes: list[str] = []
+
+    def row(self, section: str, name: str, unit: str, ref: str | None = None) -> Row:
+        key = (section, name)
+        if key not in self.rows:
+            self.rows[key] = Row(section, name, unit, ref)
+        return self.rows[key]
+
+    def add(self, section: str, name: str, value: float, unit: str, ref: str | None = None) -> None:
+        self.row(section, name, unit, ref).values.append(value)
+
+    def missing(
+        self, section: str, name: str, unit: str, note: str, ref: str | None = None
+    ) -> None:
+        self.row(section, name, unit, ref).note = note
+
+    def best(self, section: str, name: str, among: list[str], ref: str | None = None) -> None:
+        """A row repeating the best (highest median) of the named rows of a section."""
+        rows = [self.rows[(section, n)] for n in among if (section, n) in self.rows]
+        measured = [row for row in rows if row.values]
+        if not measured:
+            return
+        top = max(measured, key=lambda row: row.median or 0.0)
+        note = top.name.removeprefix("sqla-proletarian, ")
+        best = Row(section, name, top.unit, ref, list(top.values), note)
+        self.rows.pop((section, name), None)
+        keys = list(self.rows)
+        last = max(i for i, key in enumerate(keys) if key[0] == section)
+        keys.insert(last + 1, (section, name))
+        self.rows[(section, name)] = best
+        self.rows = {key: self.rows[key] for key in keys}
+
+    def ratio(self, row: Row) -> str:
+        if row.ref is None or row.median is None:
+            return ""
+        ref = self.rows.get((row.section, row.ref))
+        if ref is None or not ref.median:
+            return ""
+        return f"{row.median / ref.median:.2f}x {ref.name}"
+
+    def lines(self) -> list[tuple[str, str, str]]:
+        """(name, median (min-max), ratio) per row, with a header line per section."""
+        out: list[tuple[str, str, str]] = []
+        section = None
+        for row in self.rows.values():
+            if row.section != section:
+                section = row.section
+                out.append((f"[{section}, {row.unit}]", "", ""))
+            name = row.name if not (row.values and row.note) else f"{row.name} = {row.note}"
+            out.append((name, row.spread(), self.ratio(row)))
+        return out
+
+    def table(self) -> str:
+        lines = self.lines()
+        widths = [max(len(line[i]) for line in lines) for i in range(2)]
+        text = []
+        for name, spread, ratio in lines:
+            if not spread:
+                text.append(name)
+            else:
+                text.append(f"  {name:<{widths[0]}}  {spread:>{widths[1]}}  {ratio}".rstrip())
+        return "\n".join(text)
+
+    def markdown(self) -> str:
+        text = ["| figure | median (min-max) | ratio |", "|---|---:|---|"]
+        for name, spread, ratio in self.lines():
+            if not spread:
+                text.append(f"| **{name.strip('[]')}** | | |")
+            else:
+                text.append(f"| {name} | {spread} | {ratio} |")
+        return "\n".join(text)

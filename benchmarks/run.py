@@ -1,0 +1,170 @@
+"""Run the whole benchmark: durable servers, every contender in interleaved rounds, one
+table of medians (min-max) and ratios, printed and written to benchmarks/results.md.
+
+    python -m benchmarks.run [--quick] [--only NAME,...] [--rounds R] [--jobs N]
+
+``--only`` takes parts (drain, enqueue, latency, deep, polls, memory), contenders (raw,
+library, pgqueuer, procrastinate) and servers (postgresql, mariadb): a measurement runs when
+it matches a name of every kind given (``--only pgqueuer,latency``: pgqueuer's latency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import platform
+import signal
+import sys
+import time
+import traceback
+from collections import Counter
+from datetime import UTC, datetime
+from pathlib import Path
+
+import sqlalchemy as sa
+
+import sqla_proletarian as sp
+from benchmarks import vs_procrastinate
+from benchmarks.library import EVENTS, count_events
+from benchmarks.plan import KINDS, Measurement, Plan, Settings, describe, wanted
+from benchmarks.report import Results
+from benchmarks.servers import durable_servers
+
+RESULTS = Path(__file__).resolve().parent / "results.md"
+
+
+def parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small counts, one round")
+    parser.add_argument("--only", default="", help="comma-separated names (see above)")
+    parser.add_argument("--rounds", type=int, help="rounds (default 5, quick 1)")
+    parser.add_argument("--jobs", type=int, help="jobs per drain (default 10,000, quick 2,000)")
+    parser.add_argument("--output", type=Path, default=RESULTS, help="the Markdown file")
+    parser.add_argument("--keep-servers", action="store_true", help="leave the servers running")
+    args = parser.parse_args()
+    known = {name for names in KINDS.values() for name in names}
+    args.only = {name.strip() for name in args.only.split(",") if name.strip()}
+    if args.only - known:
+        parser.error(f"unknown --only name(s) {sorted(args.only - known)}; known: {sorted(known)}")
+    return args
+
+
+def settings_of(args: argparse.Namespace) -> Settings:
+    settings = Settings.quick() if args.quick else Settings()
+    changes = {}
+    if args.rounds:
+        changes["rounds"] = args.rounds
+    if args.jobs:
+        changes["jobs"] = args.jobs
+        changes["sweep_jobs"] = max(1, args.jobs // 2)
+    return dataclasses.replace(settings, **changes)
+
+
+def run_one(measurement: Measurement, results: Results, events: dict[str, Counter[str]]) -> None:
+    """Run one measurement; a failure is noted, and so are the library's warnings."""
+    started, before = time.perf_counter(), Counter(EVENTS.counts)
+    try:
+        measurement.run(results)
+    except Exception as exc:
+        traceback.print_exc()
+        results.notes.append(f"{measurement.label}: failed ({type(exc).__name__}: {exc})")
+    logged = EVENTS.counts - before
+    if logged:
+        events.setdefault(measurement.label, Counter()).update(logged)
+    print(f"    {measurement.label} ({time.perf_counter() - started:.1f} s)", flush=True)
+
+
+def derive_best(plan: Plan, results: Results) -> None:
+    """The best batch size and the best setting of the library, per drain section."""
+    for server in plan.servers:
+        section = plan.drain_section(server)
+        results.best(
+            section,
+            "sqla-proletarian, best batch_size",
+            plan.batch_rows,
+            ref=f"raw SQL, {plan.s.per_transaction} jobs/transaction",
+        )
+        results.best(
+            section,
+            "sqla-proletarian, best setting",
+            plan.library_rows,
+            ref="raw SQL, 1 job/transaction",
+        )
+
+
+def header(settings: Settings, started: datetime, seconds: float) -> list[str]:
+    cpus = os.cpu_count()
+    return [
+        f"Run {started:%Y-%m-%d %H:%M} UTC, {seconds / 60:.1f} min; {cpus} cores,"
+        f" Python {platform.python_version()}, SQLAlchemy {sa.__version__},"
+        f" sqla-proletarian {sp.__version__}.",
+        f"{settings.rounds} round(s), interleaved (round 1 of every contender, then round 2...);"
+        f" each cell is the median over the rounds (min-max).",
+        "Servers: PostgreSQL 15 and MariaDB 10.11 on 127.0.0.1, DURABLE (fsync,"
+        " synchronous_commit, full_page_writes on; innodb_flush_log_at_trx_commit=1,"
+        " doublewrite on), sharing the cores with the clients: compare ratios within a run.",
+        "Every contender runs a no-op handler; drivers: psycopg 3 (PostgreSQL), PyMySQL (MariaDB).",
+    ]
+
+
+def tuning_notes(plan: Plan) -> list[str]:
+    notes = []
+    for name, tuned in plan.tuned.items():
+        tried = "; ".join(f"{describe(settings)} {rate:,.0f}" for settings, rate in tuned.tried)
+        notes.append(
+            f"{name} tuned: before round 1, each setting of the sweep drained"
+            f" {plan.s.sweep_jobs:,} jobs {plan.s.sweep_passes} time(s) (all settings in turn,"
+            f" then again) and the fastest on average was kept; mean jobs/s: {tried}."
+        )
+    return notes
+
+
+def main() -> None:
+    args = parse()
+    settings = settings_of(args)
+    # SIGTERM (make, CI) ends the run through the finally blocks, which stop the servers.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    count_events()
+    events: dict[str, Counter[str]] = {}
+    started_at, started = datetime.now(UTC), time.perf_counter()
+    with durable_servers(keep=args.keep_servers) as servers:
+        plan = Plan(settings, servers)
+        measurements = [m for m in plan.measurements if wanted(m.tags, args.only)]
+        results = Results()
+        if not plan.batched:
+            results.notes.append(
+                "batch_size: create_queue_worker does not know it yet, so the batched rows are"
+                " n/a and the process rows run batch_size=1."
+            )
+        if any("procrastinate" in m.tags for m in measurements):
+            vs_procrastinate.install(servers[0].libpq_dsn("bench_procrastinate"))
+        plan.fill_deep(args.only)
+        for round_number in range(1, settings.rounds + 1):
+            print(f"round {round_number} of {settings.rounds}", flush=True)
+            for measurement in measurements:
+                if measurement.once and round_number > 1:
+                    continue
+                run_one(measurement, results, events)
+    derive_best(plan, results)
+    seconds = time.perf_counter() - started
+    lines = header(settings, started_at, seconds)
+    notes = tuning_notes(plan) + results.notes
+    for label, counts in events.items():
+        logged = ", ".join(f"{n} {event}" for event, n in counts.most_common())
+        notes.append(f"{label}: the library logged {logged} (all rounds, in-process workers)")
+    print()
+    print("\n".join(lines))
+    print()
+    print(results.table())
+    if notes:
+        print()
+        print("\n".join(f"- {note}" for note in notes))
+    text = ["# Benchmark results", "", *lines, "", results.markdown(), ""]
+    text += [f"- {note}" for note in notes]
+    args.output.write_text("\n".join(text) + "\n")
+    print(f"\nwritten to {args.output} ({seconds / 60:.1f} min)")
+
+
+if __name__ == "__main__":
+    main()
