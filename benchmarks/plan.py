@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -145,7 +146,10 @@ class Plan:
         self.s = settings
         self.servers = servers
         self.tuned: dict[str, Tuned] = {}
+        self.notes: list[str] = []
         self.measurements: list[Measurement] = []
+        self.batch_rows: list[str] = []
+        self.library_rows: list[str] = []
         self.batched = library.has_batches(servers[0].engine())
         for server in servers:
             self._drains(server)
@@ -212,14 +216,9 @@ class Plan:
         two = f"sqla-proletarian, 2 processes x 4 threads, {setting}"
         add(lib, one, rawn, lambda: library.drain_processes(engine, url, s.jobs, 1, **options))
         add(lib, two, one, lambda: library.drain_processes(engine, url, s.jobs, 2, **options))
-        self.library_rows = [
-            sp_default,
-            "sqla-proletarian, batch_size=1, ledger off",
-            *batch_rows,
-            one,
-            two,
-        ]
         self.batch_rows = batch_rows
+        self.library_rows = [sp_default, "sqla-proletarian, batch_size=1, ledger off"]
+        self.library_rows += [*batch_rows, one, two]
         if not server.is_postgresql:
             return
         pgq, pro = server.libpq_dsn("bench_pgqueuer"), server.libpq_dsn("bench_procrastinate")
@@ -246,18 +245,29 @@ class Plan:
                 ),
             )
 
+    def tune(self, only: set[str]) -> None:
+        """Before round 1: sweep pgqueuer's and procrastinate's settings (those that will run)."""
+        server = self.servers[0]
+        for name, module in (("pgqueuer", vs_pgqueuer), ("procrastinate", vs_procrastinate)):
+            if not wanted(_tag("drain", name, "postgresql"), only):
+                continue
+            dsn = server.libpq_dsn(f"bench_{name}")
+            passes = self.s.sweep_passes
+            print(f"  tuning {name}: {self.s.sweep_jobs:,} jobs x {passes} per setting", flush=True)
+            try:
+                self.tuned[name] = sweep(
+                    lambda jobs, module=module, dsn=dsn, **kw: module.drain(dsn, jobs, **kw),
+                    module.SWEEP,
+                    self.s.sweep_jobs,
+                    passes,
+                )
+            except Exception as exc:
+                traceback.print_exc()
+                self.notes.append(f"{name}'s sweep failed ({type(exc).__name__}: {exc})")
+
     def _tuned_drain(
         self, results: Results, section: str, name: str, module: Any, dsn: str
     ) -> None:
-        if name not in self.tuned:
-            passes = self.s.sweep_passes
-            print(f"  tuning {name}: {self.s.sweep_jobs:,} jobs x {passes} per setting", flush=True)
-            self.tuned[name] = sweep(
-                lambda jobs, **kw: module.drain(dsn, jobs, **kw),
-                module.SWEEP,
-                self.s.sweep_jobs,
-                passes,
-            )
         settings = self.tuned[name].settings
         results.add(
             section,

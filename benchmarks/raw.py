@@ -23,16 +23,19 @@ POLL = (
     "FROM proletarian_job WHERE queue = %s AND process_at <= %s "
     "ORDER BY process_at, seq LIMIT %s FOR UPDATE SKIP LOCKED"
 )
+# Only placeholders in VALUES (...): PyMySQL's executemany then sends one multi-row INSERT.
 ARCHIVE = (
     "INSERT INTO proletarian_archived_job (job_id, queue, job_type, payload, attempts, "
     "enqueued_at, process_at, status, finished_at) "
-    "VALUES (%s, %s, %s, %s, %s, %s, %s, 'success', %s)"
+    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)"
 )
-DELETE = "DELETE FROM proletarian_job WHERE job_id = %s"
+#: One DELETE for the whole claim, with a placeholder per job.
+DELETE = "DELETE FROM proletarian_job WHERE job_id IN ({})"
 INSERT = (
     "INSERT INTO proletarian_job (job_id, queue, job_type, payload, attempts, enqueued_at, "
-    "process_at) VALUES (%s, 'default', %s, %s, 0, %s, %s)"
+    "process_at) VALUES (%s, %s, %s, %s, %s, %s, %s)"
 )
+
 #: Deadlocks and lock wait timeouts (MariaDB 1213/1205, PostgreSQL 40P01): roll back, go on.
 TRANSIENT = ("1213", "1205", "40P01", "deadlock")
 
@@ -42,9 +45,11 @@ def _now(engine: sa.Engine) -> datetime:
     return now if engine.dialect.name == "postgresql" else now.replace(tzinfo=None)
 
 
-def _job_id(engine: sa.Engine) -> Any:
-    job_id = uuid.uuid4()
-    return job_id if engine.dialect.name == "postgresql" else str(job_id)
+def _job_row(engine: sa.Engine, now: datetime) -> tuple[Any, ...]:
+    job_id: Any = uuid.uuid4()
+    if engine.dialect.name != "postgresql":
+        job_id = str(job_id)
+    return (job_id, "default", JOB_TYPE, PAYLOAD_TEXT, 0, now, now)
 
 
 def _threads(target: Any, threads: int) -> None:
@@ -72,8 +77,11 @@ def drain(engine: sa.Engine, jobs: int, per_transaction: int, threads: int = 4) 
                     if not rows:
                         raw.commit()
                         return
-                    cursor.executemany(ARCHIVE, [(*row[:4], 1, *row[5:7], now) for row in rows])
-                    cursor.executemany(DELETE, [(row[0],) for row in rows])
+                    archived = [(*row[:4], 1, *row[5:7], "success", now) for row in rows]
+                    cursor.executemany(ARCHIVE, archived)
+                    cursor.execute(
+                        DELETE.format(", ".join(["%s"] * len(rows))), [r[0] for r in rows]
+                    )
                     raw.commit()
                 except Exception as exc:
                     if not any(code in str(exc) for code in TRANSIENT):
@@ -98,7 +106,7 @@ def insert_commit_loop(engine: sa.Engine, jobs: int) -> float:
         started = time.perf_counter()
         for _ in range(jobs):
             now = _now(engine)
-            cursor.execute(INSERT, (_job_id(engine), JOB_TYPE, PAYLOAD_TEXT, now, now))
+            cursor.execute(INSERT, _job_row(engine, now))
             raw.commit()
         return jobs / (time.perf_counter() - started)
     finally:
@@ -109,7 +117,7 @@ def bulk_insert(engine: sa.Engine, jobs: int) -> float:
     """Jobs/s of one executemany INSERT (sent as batches) and one COMMIT."""
     fresh_tables(engine)
     now = _now(engine)
-    rows = [(_job_id(engine), JOB_TYPE, PAYLOAD_TEXT, now, now) for _ in range(jobs)]
+    rows = [_job_row(engine, now) for _ in range(jobs)]
     raw = engine.raw_connection()
     try:
         cursor = raw.cursor()

@@ -60,7 +60,8 @@ class Results:
         self.row(section, name, unit, ref).note = note
 
     def best(self, section: str, name: str, among: list[str], ref: str | None = None) -> None:
-        """A row repeating the best (highest median) of the named rows of a section."""
+        """A row repeating the best (highest median) of the named rows of a section, placed
+        after the last of them."""
         rows = [self.rows[(section, n)] for n in among if (section, n) in self.rows]
         measured = [row for row in rows if row.values]
         if not measured:
@@ -70,7 +71,7 @@ class Results:
         best = Row(section, name, top.unit, ref, list(top.values), note)
         self.rows.pop((section, name), None)
         keys = list(self.rows)
-        last = max(i for i, key in enumerate(keys) if key[0] == section)
+        last = max(keys.index((row.section, row.name)) for row in rows)
         keys.insert(last + 1, (section, name))
         self.rows[(section, name)] = best
         self.rows = {key: self.rows[key] for key in keys}

@@ -15,6 +15,7 @@ import dataclasses
 import os
 import platform
 import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -81,16 +82,37 @@ def derive_best(plan: Plan, results: Results) -> None:
         section = plan.drain_section(server)
         results.best(
             section,
-            "sqla-proletarian, best batch_size",
-            plan.batch_rows,
-            ref=f"raw SQL, {plan.s.per_transaction} jobs/transaction",
-        )
-        results.best(
-            section,
             "sqla-proletarian, best setting",
             plan.library_rows,
             ref="raw SQL, 1 job/transaction",
         )
+        results.best(
+            section,
+            "sqla-proletarian, best batch_size",
+            plan.batch_rows,
+            ref=f"raw SQL, {plan.s.per_transaction} jobs/transaction",
+        )
+
+
+def _commit() -> str:
+    """The library's commit, and whether the work tree had changes."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        rev = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--", "sqla_proletarian"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown commit"
+    return f"commit {rev}" + (" with uncommitted changes in sqla_proletarian/" if dirty else "")
 
 
 def header(settings: Settings, started: datetime, seconds: float) -> list[str]:
@@ -98,13 +120,43 @@ def header(settings: Settings, started: datetime, seconds: float) -> list[str]:
     return [
         f"Run {started:%Y-%m-%d %H:%M} UTC, {seconds / 60:.1f} min; {cpus} cores,"
         f" Python {platform.python_version()}, SQLAlchemy {sa.__version__},"
-        f" sqla-proletarian {sp.__version__}.",
+        f" sqla-proletarian {sp.__version__} ({_commit()}).",
         f"{settings.rounds} round(s), interleaved (round 1 of every contender, then round 2...);"
         f" each cell is the median over the rounds (min-max).",
         "Servers: PostgreSQL 15 and MariaDB 10.11 on 127.0.0.1, DURABLE (fsync,"
         " synchronous_commit, full_page_writes on; innodb_flush_log_at_trx_commit=1,"
         " doublewrite on), sharing the cores with the clients: compare ratios within a run.",
         "Every contender runs a no-op handler; drivers: psycopg 3 (PostgreSQL), PyMySQL (MariaDB).",
+        "Ratio: this row's median over the named row's median (for latencies and memory,"
+        " lower is better).",
+    ]
+
+
+def method(s: Settings) -> list[str]:
+    """How each figure is taken, in a sentence each."""
+    return [
+        "Drains: the queue is filled by one INSERT ... SELECT on the server (pgqueuer's and"
+        " procrastinate's own bulk enqueue for them) into fresh tables, and timed from the"
+        " worker's start until every job is done: the library's summary count, or for pgqueuer"
+        " and procrastinate the database saying all are done (asked every 20 ms); every drain"
+        " is checked (all archived once, none left). Processes are spawned, each with its own"
+        " engine, and told to start together.",
+        f"Enqueue: bulk = {s.jobs:,} jobs in one call or statement and one commit; per commit"
+        f" = {s.commits:,} commits in one thread, a new Connection or Session each.",
+        f"Idle latency: a warm-up job, then {s.latency_samples} jobs a round, one at a time,"
+        " 50-250 ms after the last one started; from the moment the enqueue's commit returned"
+        " to the handler's first line (one monotonic clock across processes); p99 of so few"
+        " samples is about their maximum.",
+        f"Deep queue: {s.deep:,} jobs filled once before round 1 (each round drains"
+        f" {s.head:,} off its head, so it stays near that depth), {s.shallow:,} filled afresh"
+        " each round; both ANALYZEd after filling; the worker at its defaults.",
+        f"Polls: the worker's poll statement in a loop of one-statement transactions, on a"
+        f" fresh empty table, then after {s.deletes:,} jobs were queued and deleted in one"
+        " statement, first while a REPEATABLE READ transaction that began before the delete"
+        " stays open (no cleanup is possible), then once it has ended, with autovacuum off"
+        " for the table on PostgreSQL (MariaDB purges in the background).",
+        f"Memory: one worker process's peak RSS (ru_maxrss) at its start and once it has run"
+        f" {s.shallow:,} and {s.memory_jobs:,} jobs (or after {s.memory_seconds:.0f} s).",
     ]
 
 
@@ -140,6 +192,7 @@ def main() -> None:
         if any("procrastinate" in m.tags for m in measurements):
             vs_procrastinate.install(servers[0].libpq_dsn("bench_procrastinate"))
         plan.fill_deep(args.only)
+        plan.tune(args.only)
         for round_number in range(1, settings.rounds + 1):
             print(f"round {round_number} of {settings.rounds}", flush=True)
             for measurement in measurements:
@@ -149,7 +202,7 @@ def main() -> None:
     derive_best(plan, results)
     seconds = time.perf_counter() - started
     lines = header(settings, started_at, seconds)
-    notes = tuning_notes(plan) + results.notes
+    notes = method(settings) + tuning_notes(plan) + plan.notes + results.notes
     for label, counts in events.items():
         logged = ", ".join(f"{n} {event}" for event, n in counts.most_common())
         notes.append(f"{label}: the library logged {logged} (all rounds, in-process workers)")
@@ -160,7 +213,7 @@ def main() -> None:
     if notes:
         print()
         print("\n".join(f"- {note}" for note in notes))
-    text = ["# Benchmark results", "", *lines, "", results.markdown(), ""]
+    text = ["# Benchmark results", "", *[f"- {line}" for line in lines], "", results.markdown(), ""]
     text += [f"- {note}" for note in notes]
     args.output.write_text("\n".join(text) + "\n")
     print(f"\nwritten to {args.output} ({seconds / 60:.1f} min)")
