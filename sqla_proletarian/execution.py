@@ -289,8 +289,8 @@ class JobRunner:
         record = connections.record
         own = list(record.run_ids.values()) if record is not None else []
         if not succeeded:
-            if ended or own:
-                conn.execute(*sql.end_claim_runs(ended, own))
+            for statement in sql.end_claim_runs(ended, own):
+                conn.execute(*statement)
             return
         statements = sql.archive_succeeded(
             succeeded,

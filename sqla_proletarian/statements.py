@@ -278,10 +278,8 @@ def _upserted(upsert: ArchiveUpsert, rows: Select[Any]) -> Insert:
 #: when the claim finishes: until then the ledger's connection moves the claim's record from
 #: job to job, and a delete in the claim's transaction could lock it (InnoDB locks what it
 #: scans).
-_ENDED: BindParameter[Any] = bindparam("ended", expanding=True)
-_CLAIM_RUNS = delete(RUN).where(
-    RUN.c.job_id.in_(_ENDED) | RUN.c.run_id.in_(bindparam("own", expanding=True))
-)
+_ENDED_RUNS = delete(RUN).where(RUN.c.job_id.in_(bindparam("ended", expanding=True)))
+_OWN_RUNS = delete(RUN).where(RUN.c.run_id.in_(bindparam("own", expanding=True)))
 
 
 def _any(name: str) -> Any:
@@ -307,9 +305,16 @@ def _succeeded_copy(upsert: ArchiveUpsert) -> Executable:
 _DELETE_JOBS = delete(JOB).where(JOB.c.job_id.in_(_IDS))
 
 
-def end_claim_runs(ended: list[uuid.UUID], own_runs: list[uuid.UUID]) -> Statement:
-    """Remove the run records of the jobs a claim ended, and the claim's own."""
-    return _CLAIM_RUNS, {"ended": ended or [NO_RUN], "own": own_runs or [NO_RUN]}
+def end_claim_runs(ended: list[uuid.UUID], own_runs: list[uuid.UUID]) -> list[Statement]:
+    """Remove the run records of the jobs a claim ended, and the claim's own: two deletes,
+    each through its index (an OR of both would scan the table, and InnoDB would lock what
+    it scans)."""
+    statements: list[Statement] = []
+    if ended:
+        statements.append((_ENDED_RUNS, {"ended": ended}))
+    if own_runs:
+        statements.append((_OWN_RUNS, {"own": own_runs}))
+    return statements
 
 
 def archive_succeeded(
@@ -329,13 +334,13 @@ def archive_succeeded(
     ``INSERT ... SELECT`` and two deletes. The first statement's row count (PostgreSQL) or
     the job delete's tells whether every job row was still there.
     """
-    runs = end_claim_runs(ended, own_runs)
     if returning:
-        return [(_succeeded_returning(upsert), {"ids": job_ids, "now": now, **runs[1]})]
+        runs = {"ended": ended, "own": own_runs}
+        return [(_succeeded_returning(upsert), {"ids": job_ids, "now": now, **runs})]
     return [
         (_succeeded_copy(upsert), {"ids": job_ids, "now": now}),
         (_DELETE_JOBS, {"ids": job_ids}),
-        runs,
+        *end_claim_runs(ended, own_runs),
     ]
 
 
