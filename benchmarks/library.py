@@ -70,16 +70,16 @@ def has_batches(engine: sa.Engine) -> bool:
     return True
 
 
-def run_until(worker: sp.QueueWorker, jobs: int, timeout: float = 600.0) -> float:
+def run_until(queue_worker: sp.QueueWorker, jobs: int, timeout: float = 600.0) -> float:
     """Seconds from start() until the worker has run ``jobs`` jobs (then it stops)."""
     started = time.perf_counter()
-    with worker:
-        while (summary := worker.summary())["succeeded"] < jobs:
+    with queue_worker:
+        while (summary := queue_worker.summary())["succeeded"] < jobs:
             stalled = time.perf_counter() - started > timeout
-            if summary["failed"] or summary["retried"] or not worker.running or stalled:
+            if summary["failed"] or summary["retried"] or not queue_worker.running or stalled:
                 raise RuntimeError(
                     f"the worker stopped, stalled or failed jobs: {summary} of {jobs} jobs"
-                    f" (exception: {worker.exception!r}; errors in proletarian_archived_job)"
+                    f" (exception: {queue_worker.exception!r}; errors in proletarian_archived_job)"
                 )
             time.sleep(0.002)
         return time.perf_counter() - started

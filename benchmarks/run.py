@@ -115,12 +115,12 @@ def _commit() -> str:
     return f"commit {rev}" + (" with uncommitted changes in sqla_proletarian/" if dirty else "")
 
 
-def header(settings: Settings, started: datetime, seconds: float) -> list[str]:
+def header(settings: Settings, started: datetime, seconds: float, commit: str) -> list[str]:
     cpus = os.cpu_count()
     return [
         f"Run {started:%Y-%m-%d %H:%M} UTC, {seconds / 60:.1f} min; {cpus} cores,"
         f" Python {platform.python_version()}, SQLAlchemy {sa.__version__},"
-        f" sqla-proletarian {sp.__version__} ({_commit()}).",
+        f" sqla-proletarian {sp.__version__} ({commit} when the run began).",
         f"{settings.rounds} round(s), interleaved (round 1 of every contender, then round 2...);"
         f" each cell is the median over the rounds (min-max).",
         "Servers: PostgreSQL 15 and MariaDB 10.11 on 127.0.0.1, DURABLE (fsync,"
@@ -179,7 +179,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     count_events()
     events: dict[str, Counter[str]] = {}
-    started_at, started = datetime.now(UTC), time.perf_counter()
+    started_at, started, commit = datetime.now(UTC), time.perf_counter(), _commit()
     with durable_servers(keep=args.keep_servers) as servers:
         plan = Plan(settings, servers)
         measurements = [m for m in plan.measurements if wanted(m.tags, args.only)]
@@ -201,7 +201,7 @@ def main() -> None:
                 run_one(measurement, results, events)
     derive_best(plan, results)
     seconds = time.perf_counter() - started
-    lines = header(settings, started_at, seconds)
+    lines = header(settings, started_at, seconds, commit)
     notes = method(settings) + tuning_notes(plan) + plan.notes + results.notes
     for label, counts in events.items():
         logged = ", ".join(f"{n} {event}" for event, n in counts.most_common())
