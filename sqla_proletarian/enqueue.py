@@ -15,12 +15,11 @@ from sqla_proletarian.dialects import dialect_of
 from sqla_proletarian.errors import (
     InvalidJobError,
     NotATransactionError,
-    PayloadSerializationError,
     ProletarianError,
 )
 from sqla_proletarian.models import Job
 from sqla_proletarian.statements import insert_job, insert_jobs
-from sqla_proletarian.values import DEFAULT_QUEUE, build_job_values
+from sqla_proletarian.values import DEFAULT_QUEUE, build_job_values, build_many_job_values
 
 #: What enqueue() joins: a Session (or a subclass, such as SQLModel's), a scoped_session
 #: (Flask-SQLAlchemy's ``db.session``), or a Connection.
@@ -101,30 +100,10 @@ def enqueue_many(
         raise InvalidJobError(
             "job_id", "enqueue_many() makes one id per job; give job_id_strategy instead"
         )
+    rows = build_many_job_values(
+        jobs, queue=queue, process_at=process_at, process_in=process_in, **options
+    )
     connection = _connection_of(session_or_connection, "enqueue_many")
-    rows: list[dict[str, Any]] = []
-    for index, job in enumerate(jobs):
-        try:
-            job_type, payload = job
-        except (TypeError, ValueError):
-            raise InvalidJobError(
-                f"jobs[{index}]", f"{job!r} is not a (job_type, payload) pair"
-            ) from None
-        try:
-            rows.append(
-                build_job_values(
-                    job_type,
-                    payload,
-                    queue=queue,
-                    process_at=process_at,
-                    process_in=process_in,
-                    **options,
-                )
-            )
-        except PayloadSerializationError as exc:
-            raise PayloadSerializationError(f"jobs[{index}]: {exc}", exc.payload) from exc
-        except InvalidJobError as exc:
-            raise InvalidJobError(f"jobs[{index}]", str(exc)) from exc
     unnest = dialect_of(connection).bulk_insert_unnest
     for start in range(0, len(rows), ENQUEUE_MANY_CHUNK):
         connection.execute(*insert_jobs(rows[start : start + ENQUEUE_MANY_CHUNK], unnest=unnest))

@@ -8,11 +8,11 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqla_proletarian.errors import InvalidJobError
+from sqla_proletarian.errors import InvalidJobError, PayloadSerializationError
 from sqla_proletarian.serialization import DEFAULT_SERIALIZER, Serializer
 from sqla_proletarian.types import MAX_NAME_LENGTH
 
@@ -126,3 +126,55 @@ def build_job_values(
         "enqueued_at": now,
         "process_at": schedule(now, process_at, process_in),
     }
+
+
+def build_many_job_values(
+    jobs: Iterable[tuple[str, Any]],
+    *,
+    queue: str = DEFAULT_QUEUE,
+    process_at: datetime | None = None,
+    process_in: timedelta | float | None = None,
+    serializer: Serializer | None = None,
+    job_id_strategy: JobIdStrategy | None = None,
+    clock: Clock | None = None,
+) -> list[dict[str, Any]]:
+    """The column values of many new jobs, ``(job_type, payload)`` pairs, validated as
+    ``build_job_values`` does; what they share (queue, time, schedule) is checked once. A bad
+    job raises with its index (``jobs[3]``)."""
+    check_name("queue", queue)
+    now = check_aware("clock()", (clock or utc_now)())
+    due = schedule(now, process_at, process_in)
+    dumps = (serializer or DEFAULT_SERIALIZER).dumps
+    make_id = job_id_strategy or uuid4
+    checked: set[str] = set()
+    rows = []
+    for index, job in enumerate(jobs):
+        try:
+            job_type, payload = job
+        except (TypeError, ValueError):
+            raise InvalidJobError(
+                f"jobs[{index}]", f"{job!r} is not a (job_type, payload) pair"
+            ) from None
+        try:
+            if job_type not in checked:
+                checked.add(check_name("job_type", job_type))
+            text = dumps(payload)
+            job_id = make_id()
+            if not isinstance(job_id, uuid.UUID):
+                raise InvalidJobError("job_id", f"{job_id!r} is not a uuid.UUID")
+        except PayloadSerializationError as exc:
+            raise PayloadSerializationError(f"jobs[{index}]: {exc}", exc.payload) from exc
+        except InvalidJobError as exc:
+            raise InvalidJobError(f"jobs[{index}]", str(exc)) from exc
+        rows.append(
+            {
+                "job_id": job_id,
+                "queue": queue,
+                "job_type": job_type,
+                "payload": text,
+                "attempts": 0,
+                "enqueued_at": now,
+                "process_at": due,
+            }
+        )
+    return rows
