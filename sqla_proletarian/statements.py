@@ -227,15 +227,8 @@ def delete_job_and_runs(job_id: uuid.UUID) -> Statement:
 # --- finishing a claim: every succeeded job archived in as few statements as possible ------
 
 _IDS: BindParameter[Any] = bindparam("ids", expanding=True)
-_SUCCEEDED = (
-    JOB.c.job_id,
-    JOB.c.queue,
-    JOB.c.job_type,
-    JOB.c.payload,
-    JOB.c.attempts,
-    JOB.c.enqueued_at,
-    JOB.c.process_at,
-)
+#: What a succeeded job's archive row is made from: the columns a claim reads.
+_SUCCEEDED = JOB_COLUMNS
 _ARCHIVED_COLUMNS = [*(c.name for c in _SUCCEEDED), "status", "finished_at", "error"]
 
 

@@ -117,14 +117,21 @@ def build_job_values(
         job_id = (job_id_strategy or uuid4)()
     if not isinstance(job_id, uuid.UUID):
         raise InvalidJobError("job_id", f"{job_id!r} is not a uuid.UUID")
+    return _new_row(job_id, queue, job_type, text, now, schedule(now, process_at, process_in))
+
+
+def _new_row(
+    job_id: uuid.UUID, queue: str, job_type: str, payload: str, now: datetime, due: datetime
+) -> dict[str, Any]:
+    """A new job's column values."""
     return {
         "job_id": job_id,
         "queue": queue,
         "job_type": job_type,
-        "payload": text,
+        "payload": payload,
         "attempts": 0,
         "enqueued_at": now,
-        "process_at": schedule(now, process_at, process_in),
+        "process_at": due,
     }
 
 
@@ -166,15 +173,5 @@ def build_many_job_values(
             raise PayloadSerializationError(f"jobs[{index}]: {exc}", exc.payload) from exc
         except InvalidJobError as exc:
             raise InvalidJobError(f"jobs[{index}]", str(exc)) from exc
-        rows.append(
-            {
-                "job_id": job_id,
-                "queue": queue,
-                "job_type": job_type,
-                "payload": text,
-                "attempts": 0,
-                "enqueued_at": now,
-                "process_at": due,
-            }
-        )
+        rows.append(_new_row(job_id, queue, job_type, text, now, due))
     return rows
