@@ -179,6 +179,9 @@ def is_lock_conflict(exc: BaseException) -> bool:
 def is_transient(exc: BaseException) -> bool:
     """Whether a database error is worth retrying after a pause (lost connection, deadlock,
     failover, too many connections...)."""
+    if isinstance(exc, JobTransactionLostError):
+        # The job's transaction is gone (often with its connection): run it again later.
+        return True
     if isinstance(exc, sa_exc.TimeoutError | sa_exc.PendingRollbackError):
         # A pool with no free connection; a transaction left broken by an earlier error
         # (the thread's connections are replaced before the next poll).

@@ -28,6 +28,7 @@ from sqla_proletarian.errors import (
     PG_LOCK_CONFLICT_SQLSTATES,
     PG_TRANSIENT_CLASSES,
     PG_TRANSIENT_SQLSTATES,
+    JobTransactionLostError,
     is_lock_conflict,
     is_transient,
     mysql_errno,
@@ -283,3 +284,9 @@ def test_a_code_as_an_unusual_type_is_no_code() -> None:
     for orig in cases:
         assert mysql_errno(orig) is None
         assert not is_lock_conflict(wrap(orig))
+
+
+def test_a_lost_job_transaction_is_transient() -> None:
+    """The worker's savepoint could not be released because the connection died with the
+    server: the worker backs off and goes on, it does not stop on a polling error."""
+    assert is_transient(JobTransactionLostError("the handler's savepoint could not be released"))
