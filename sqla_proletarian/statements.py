@@ -89,16 +89,8 @@ def poll(queue: str, now: datetime, limit: int = 1, *, with_runs: bool = False) 
 #: and nothing read back (an enqueue-only role needs no SELECT).
 _INSERT_JOB = insert(JOB).inline()
 
-#: The columns an enqueue writes, in order (``seq`` is the server's).
-ENQUEUED_COLUMNS = (
-    "job_id",
-    "queue",
-    "job_type",
-    "payload",
-    "attempts",
-    "enqueued_at",
-    "process_at",
-)
+#: The columns an enqueue writes, in order: those a claim reads (``seq`` is the server's).
+ENQUEUED_COLUMNS = tuple(column.name for column in JOB_COLUMNS)
 
 
 def insert_job(values: dict[str, Any]) -> Statement:
@@ -141,17 +133,7 @@ def relock(job_id: uuid.UUID) -> Statement:
 
 
 #: The archive columns an outcome replaces when the job id is archived already.
-_ARCHIVE_REPLACED = (
-    "queue",
-    "job_type",
-    "payload",
-    "attempts",
-    "enqueued_at",
-    "process_at",
-    "status",
-    "finished_at",
-    "error",
-)
+_ARCHIVE_REPLACED = (*ENQUEUED_COLUMNS[1:], "status", "finished_at", "error")
 
 
 @cache
