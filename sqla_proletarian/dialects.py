@@ -49,9 +49,6 @@ class Dialect:
     ledger_reset: tuple[str, ...] = ()
     #: Whether one statement can delete a job and its run records (a DML CTE).
     deletes_runs_with_job: bool = False
-    #: Whether an error can roll back the whole transaction, savepoints and row locks
-    #: included (InnoDB on a deadlock), so that the worker must check its savepoint.
-    errors_end_transaction: bool = False
     #: Whether many jobs are enqueued with one ``INSERT ... SELECT unnest(...)`` (PostgreSQL
     #: arrays) rather than an executemany (which PyMySQL sends as multi-row INSERTs).
     bulk_insert_unnest: bool = False
@@ -164,7 +161,6 @@ _MYSQL = {
     "separate_ledger": True,
     "owner_lock": "named",
     "archive_upsert": "mysql_on_duplicate_key",
-    "errors_end_transaction": True,
 }
 DIALECTS: dict[str, Dialect] = {
     "postgresql": Dialect(

@@ -138,24 +138,7 @@ _ARCHIVE_REPLACED = (*ENQUEUED_COLUMNS[1:], "status", "finished_at", "error")
 
 @cache
 def _archive(upsert: ArchiveUpsert) -> Executable:
-    # A job enqueued again with an archived job_id (a failed job put back in the queue)
-    # replaces its earlier archive row, so the archive tells how the job last ended.
-    if upsert == "postgresql_on_conflict":
-        pg = postgresql.insert(ARCHIVE)
-        return pg.on_conflict_do_update(
-            index_elements=[ARCHIVE.c.job_id],
-            set_={name: pg.excluded[name] for name in _ARCHIVE_REPLACED},
-        )
-    if upsert == "sqlite_on_conflict":
-        lite = sqlite.insert(ARCHIVE)
-        return lite.on_conflict_do_update(
-            index_elements=[ARCHIVE.c.job_id],
-            set_={name: lite.excluded[name] for name in _ARCHIVE_REPLACED},
-        )
-    if upsert == "mysql_on_duplicate_key":
-        my = mysql.insert(ARCHIVE)
-        return my.on_duplicate_key_update({name: my.inserted[name] for name in _ARCHIVE_REPLACED})
-    return insert(ARCHIVE)
+    return _upserted(upsert)
 
 
 def archive(
@@ -187,9 +170,6 @@ _END_RUNS = delete(RUN).where(RUN.c.job_id == bindparam("job_id"))
 #: PostgreSQL removes the job and its run records in one statement.
 _DELETE_JOB_AND_RUNS = _DELETE_JOB.add_cte(_END_RUNS.cte("ended_runs"))
 
-#: Stands for "no run record of the claim's own".
-NO_RUN = uuid.UUID(int=0)
-
 
 def delete_job(job_id: uuid.UUID) -> Statement:
     """Remove a finished job from the queue (its run records go when the claim finishes)."""
@@ -209,9 +189,7 @@ def delete_job_and_runs(job_id: uuid.UUID) -> Statement:
 # --- finishing a claim: every succeeded job archived in as few statements as possible ------
 
 _IDS: BindParameter[Any] = bindparam("ids", expanding=True)
-#: What a succeeded job's archive row is made from: the columns a claim reads.
-_SUCCEEDED = JOB_COLUMNS
-_ARCHIVED_COLUMNS = [*(c.name for c in _SUCCEEDED), "status", "finished_at", "error"]
+_ARCHIVED_COLUMNS = [*ENQUEUED_COLUMNS, "status", "finished_at", "error"]
 
 
 def _as_archived(columns: Any) -> Select[Any]:
@@ -230,29 +208,33 @@ def _as_archived(columns: Any) -> Select[Any]:
     )
 
 
-def _upserted(upsert: ArchiveUpsert, rows: Select[Any]) -> Insert:
-    if upsert == "postgresql_on_conflict":
-        pg = postgresql.insert(ARCHIVE).from_select(_ARCHIVED_COLUMNS, rows)
-        return pg.on_conflict_do_update(
+def _upserted(upsert: ArchiveUpsert, rows: Select[Any] | None = None) -> Insert:
+    """An archive insert (of ``rows``, else of one row's values) that replaces the earlier
+    row of a job id archived already: a job enqueued again with its id (a failed job put
+    back in the queue) then tells how it last ended."""
+    module = {"postgresql_on_conflict": postgresql, "sqlite_on_conflict": sqlite}.get(upsert)
+    if module is not None:
+        conflicting = module.insert(ARCHIVE)
+        if rows is not None:
+            conflicting = conflicting.from_select(_ARCHIVED_COLUMNS, rows)
+        upserting = conflicting.on_conflict_do_update(
             index_elements=[ARCHIVE.c.job_id],
-            set_={name: pg.excluded[name] for name in _ARCHIVE_REPLACED},
+            set_={name: conflicting.excluded[name] for name in _ARCHIVE_REPLACED},
         )
-    if upsert == "sqlite_on_conflict":
-        lite = sqlite.insert(ARCHIVE).from_select(_ARCHIVED_COLUMNS, rows)
-        return lite.on_conflict_do_update(
-            index_elements=[ARCHIVE.c.job_id],
-            set_={name: lite.excluded[name] for name in _ARCHIVE_REPLACED},
-        )
+        return cast(Insert, upserting)
     if upsert == "mysql_on_duplicate_key":
-        my = mysql.insert(ARCHIVE).from_select(_ARCHIVED_COLUMNS, rows)
-        return my.on_duplicate_key_update({name: my.inserted[name] for name in _ARCHIVE_REPLACED})
-    return insert(ARCHIVE).from_select(_ARCHIVED_COLUMNS, rows)
+        duplicate = mysql.insert(ARCHIVE)
+        if rows is not None:
+            duplicate = duplicate.from_select(_ARCHIVED_COLUMNS, rows)
+        return duplicate.on_duplicate_key_update(
+            {name: duplicate.inserted[name] for name in _ARCHIVE_REPLACED}
+        )
+    plain = insert(ARCHIVE)
+    return plain if rows is None else plain.from_select(_ARCHIVED_COLUMNS, rows)
 
 
-#: The run records of every job the claim ended, and the claim's own record. Removed only
-#: when the claim finishes: until then the ledger's connection moves the claim's record from
-#: job to job, and a delete in the claim's transaction could lock it (InnoDB locks what it
-#: scans).
+#: The run records of every job the claim ended, and the claim's own records (also those of
+#: jobs it retried or never started), removed when the claim finishes.
 _ENDED_RUNS = delete(RUN).where(RUN.c.job_id.in_(bindparam("ended", expanding=True)))
 _OWN_RUNS = delete(RUN).where(RUN.c.run_id.in_(bindparam("own", expanding=True)))
 
@@ -265,7 +247,7 @@ def _any(name: str) -> Any:
 
 @cache
 def _succeeded_returning(upsert: ArchiveUpsert) -> Executable:
-    done = delete(JOB).where(JOB.c.job_id == _any("ids")).returning(*_SUCCEEDED).cte("done")
+    done = delete(JOB).where(JOB.c.job_id == _any("ids")).returning(*JOB_COLUMNS).cte("done")
     runs = delete(RUN).where((RUN.c.job_id == _any("ended")) | (RUN.c.run_id == _any("own")))
     statement = _upserted(upsert, _as_archived(done.c)).add_cte(done).add_cte(runs.cte("runs"))
     return statement.execution_options(preserve_rowcount=True)
