@@ -81,6 +81,8 @@ class Job(Base):
         Column("attempts", Integer(), nullable=False, default=0),
         Column("enqueued_at", UTCDateTime(), nullable=False),
         Column("process_at", UTCDateTime(), nullable=False),
+        # W3C trace context of the enqueuing code (JSON), when OpenTelemetry is installed.
+        Column("trace_context", Text(), nullable=True),
         Index("ix_proletarian_job_poll", "queue", "process_at", "seq"),
         mysql_engine=_MYSQL_TABLE_ARGS["mysql_engine"],
         mysql_charset=_MYSQL_TABLE_ARGS["mysql_charset"],
@@ -94,6 +96,7 @@ class Job(Base):
     attempts: Mapped[int]
     enqueued_at: Mapped[datetime]
     process_at: Mapped[datetime]
+    trace_context: Mapped[str | None]
 
     def __init__(
         self,

@@ -8,8 +8,8 @@ labelled :data:`BRANCH_LABEL`. Or keep one head: call :func:`create_tables` from
 The DDL below is frozen: each helper is the schema change of one revision and never follows
 later edits of the models. A release that changes the schema adds a revision and a helper for
 it: ``create_tables`` is ``sqlap_0001``; ``add_run_owners`` and ``add_enqueue_notifications``
-are ``sqlap_0002``. A single-head project calls each new helper from a new revision of its
-own, in that order.
+are ``sqlap_0002``; ``add_trace_context`` is ``sqlap_0003``. A single-head project calls each
+new helper from a new revision of its own, in that order.
 """
 
 from __future__ import annotations
@@ -32,10 +32,12 @@ __all__ = [
     "VERSION_LOCATION",
     "add_enqueue_notifications",
     "add_run_owners",
+    "add_trace_context",
     "create_tables",
     "drop_enqueue_notifications",
     "drop_run_owners",
     "drop_tables",
+    "drop_trace_context",
     "include_object",
 ]
 
@@ -49,7 +51,7 @@ BRANCH_LABEL = "sqla_proletarian"
 INITIAL_REVISION = "sqlap_0001"
 
 #: The newest revision of the library's branch.
-HEAD_REVISION = "sqlap_0002"
+HEAD_REVISION = "sqlap_0003"
 
 # Table names are spelled out (not imported from the models) so the revision stays as written.
 _JOB = "proletarian_job"
@@ -217,3 +219,16 @@ def drop_enqueue_notifications(op: Operations | ModuleType | None = None) -> Non
     if ops.get_context().dialect.name == "postgresql":
         for statement in _DROP_NOTIFY:
             ops.execute(statement)
+
+
+def add_trace_context(op: Operations | ModuleType | None = None) -> None:
+    """Give each queued job the trace context of the code that enqueued it (``sqlap_0003``):
+    a nullable text column, so queued jobs keep running unchanged."""
+    ops = _operations(op)
+    ops.add_column(_JOB, sa.Column("trace_context", sa.Text(), nullable=True))
+
+
+def drop_trace_context(op: Operations | ModuleType | None = None) -> None:
+    """Undo :func:`add_trace_context`."""
+    ops = _operations(op)
+    ops.drop_column(_JOB, "trace_context")

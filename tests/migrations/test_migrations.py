@@ -274,10 +274,12 @@ from alembic import op
 from sqla_proletarian.migrations import (
     add_enqueue_notifications,
     add_run_owners,
+    add_trace_context,
     create_tables,
     drop_enqueue_notifications,
     drop_run_owners,
     drop_tables,
+    drop_trace_context,
 )
 
 revision = "user_0001"
@@ -325,12 +327,14 @@ def user_project(root: Path, *, calls_helpers: bool, library_location: bool) -> 
     revision = USER_REVISION.format(
         extra_doc=" and the library's tables" if calls_helpers else "",
         upgrade_extra=(
-            "create_tables(op); add_run_owners(op); add_enqueue_notifications(op)"
+            "create_tables(op); add_run_owners(op); add_enqueue_notifications(op); "
+            "add_trace_context(op)"
             if calls_helpers
             else "pass"
         ),
         downgrade_extra=(
-            "drop_enqueue_notifications(op); drop_run_owners(op); drop_tables(op)"
+            "drop_trace_context(op); drop_enqueue_notifications(op); drop_run_owners(op); "
+            "drop_tables(op)"
             if calls_helpers
             else "pass"
         ),
