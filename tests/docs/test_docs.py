@@ -1,0 +1,230 @@
+"""Every code block of every ``docs/**/*.md`` page does what the page says: one test a page.
+
+The convention (what a page may contain):
+
+- A ```` ```python ```` block is executed; the page's python blocks run in order in one
+  namespace, in a fresh temporary directory, with ``DATABASE_URL`` set to
+  ``sqlite:///<tmp>/app.db``.
+- A ```` ```console ```` block: each line starting with ``$ `` is run with bash in that
+  directory (the venv's ``bin`` first on ``PATH``, the directory on ``PYTHONPATH``) and must
+  exit 0 within 60 s (a line ending in ``\\`` continues on the next); other lines are sample
+  output and are not compared.
+- A block right after ``<!-- file: NAME -->`` is not executed but written to ``NAME`` in that
+  directory, and checked by parsing (``.py`` compiled, ``ini``/``.service`` with
+  configparser, ``toml`` with tomllib, ``json``, ``bash -n``); any language may be written so.
+- Any other block (no language, or another language without a file marker) fails the page.
+
+Each page runs in a subprocess of its own (``page_runner.py``), so pages cannot see each
+other's modules, engines or threads. A failure names the page and the line of the block.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pytest
+
+import sqla_proletarian as sp
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+RUNNER = Path(__file__).with_name("page_runner.py")
+VENV_BIN = Path(sys.executable).parent
+#: Seconds a whole page may take (its console commands have 60 s each).
+PAGE_TIMEOUT = 110
+
+FENCE = re.compile(r"^(?P<indent> {0,12})(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`]*)$")
+FILE_MARKER = re.compile(r"^\s*<!--\s*file:\s*(?P<name>\S+)\s*-->\s*$")
+#: Languages a page may run without a file marker.
+RUNNABLE = ("python", "console")
+
+
+class PageError(Exception):
+    """A page breaks the docs convention (before anything of it runs)."""
+
+
+@dataclass
+class Block:
+    line: int  # 1-based line of the opening fence
+    language: str
+    text: str
+    file: str | None = None
+    commands: list[tuple[int, str]] = field(default_factory=list)
+
+
+def parse_page(path: Path, text: str | None = None) -> list[Block]:
+    """The page's code blocks, each with its line; a block that breaks the rules raises."""
+    name = display_name(path)
+    lines = (path.read_text() if text is None else text).splitlines()
+    blocks: list[Block] = []
+    marker: str | None = None
+    index = 0
+    while index < len(lines):
+        line = lines[index]
+        found = FILE_MARKER.match(line)
+        if found:
+            marker = found["name"]
+            index += 1
+            continue
+        opening = FENCE.match(line)
+        if not opening:
+            if line.strip():
+                marker = None
+            index += 1
+            continue
+        indent, fence = len(opening["indent"]), opening["fence"]
+        language = opening["info"].strip().split(" ")[0].lower()
+        start = index + 1
+        body: list[str] = []
+        index += 1
+        while index < len(lines):
+            closing = lines[index].strip()
+            if closing.startswith(fence[0] * len(fence)) and not closing.strip(fence[0]):
+                break
+            body.append(lines[index][indent:] if lines[index][:indent].isspace() else lines[index])
+            index += 1
+        else:
+            raise PageError(f"{name}:{start}: the code block is never closed")
+        index += 1
+        block = Block(line=start, language=language, text="\n".join(body) + "\n", file=marker)
+        marker = None
+        if block.file is None:
+            if not language:
+                raise PageError(
+                    f"{name}:{start}: a code block without a language: mark it ```python or "
+                    "```console, or put <!-- file: NAME --> before it"
+                )
+            if language not in RUNNABLE:
+                raise PageError(
+                    f"{name}:{start}: a ```{language} block must follow <!-- file: NAME --> "
+                    "(only python and console blocks run unmarked)"
+                )
+        if block.language == "console" and block.file is None:
+            block.commands = console_commands(block, body)
+            if not block.commands:
+                raise PageError(f"{name}:{start}: a console block without a `$ ` command")
+        blocks.append(block)
+    return blocks
+
+
+def console_commands(block: Block, body: list[str]) -> list[tuple[int, str]]:
+    commands: list[tuple[int, str]] = []
+    pending: tuple[int, str] | None = None
+    for offset, line in enumerate(body, start=block.line + 1):
+        if pending is not None:
+            pending = (pending[0], pending[1] + "\n" + line)
+        elif line.startswith("$ "):
+            pending = (offset, line[2:])
+        else:
+            continue
+        if not pending[1].endswith("\\"):
+            commands.append(pending)
+            pending = None
+    if pending is not None:
+        commands.append(pending)
+    return commands
+
+
+def display_name(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def run_page(path: Path, workdir: Path, text: str | None = None) -> None:
+    """Run every block of a page in ``workdir``; fail the test with the page and line."""
+    name = display_name(path)
+    try:
+        blocks = parse_page(path, text)
+    except PageError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    spec = workdir / ".page-blocks.json"
+    result = workdir / ".page-result.json"
+    spec.write_text(json.dumps({"page": name, "blocks": [asdict(b) for b in blocks]}))
+    env = dict(os.environ)
+    env.update(
+        DATABASE_URL=f"sqlite:///{workdir / 'app.db'}",
+        PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}",
+        PYTHONPATH=str(workdir),
+        PYTHONDONTWRITEBYTECODE="1",
+    )
+    env.pop("PYTEST_ADDOPTS", None)
+    try:
+        done = subprocess.run(
+            [sys.executable, str(RUNNER), str(spec), str(result)],
+            cwd=workdir,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=PAGE_TIMEOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{name}: the page did not finish within {PAGE_TIMEOUT} s\n{exc.stderr}")
+    if not result.exists():
+        pytest.fail(
+            f"{name}: the page's runner died (exit {done.returncode})\n"
+            f"--- stdout\n{done.stdout}--- stderr\n{done.stderr}",
+            pytrace=False,
+        )
+    failure = json.loads(result.read_text())["failure"]
+    if failure is not None:
+        pytest.fail(
+            f"{name}:{failure['line']}: the ```{failure['language']} block failed\n"
+            f"{failure['error']}\n--- the page's output\n{done.stdout}{done.stderr}",
+            pytrace=False,
+        )
+
+
+PAGES = sorted(DOCS.glob("**/*.md"))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(DOCS)) for p in PAGES])
+def test_page_runs_as_written(page: Path, tmp_path: Path) -> None:
+    """Each block of the page runs (python, console) or parses (file blocks) as written."""
+    run_page(page, tmp_path)
+
+
+def test_api_reference_mentions_every_public_name() -> None:
+    """docs/reference/api.md names every name in ``sqla_proletarian.__all__``."""
+    text = (DOCS / "reference" / "api.md").read_text()
+    missing = [name for name in sp.__all__ if f"`{name}`" not in text and f"{name}(" not in text]
+    assert not missing, f"docs/reference/api.md does not mention: {missing}"
+
+
+def test_runner_refuses_unmarked_and_unknown_blocks(tmp_path: Path) -> None:
+    """A block without a language, or in another language without a file marker, is refused
+    before anything runs, naming the page and the line."""
+    page = tmp_path / "page.md"
+    for opening, expected in (("```", "without a language"), ("```yaml", "```yaml block")):
+        text = f"# Title\n\nSome text.\n\n{opening}\nkey: value\n```\n"
+        with pytest.raises(PageError, match=rf"page\.md:5: .*{re.escape(expected)}"):
+            parse_page(page, text)
+    assert parse_page(page, "<!-- file: app.yaml -->\n```yaml\nkey: value\n```\n")[0].file
+
+
+def test_runner_failure_names_page_and_line(tmp_path: Path) -> None:
+    """A failing python block, a failing command and a broken file each fail the page with
+    its name and the line of the failing block; blocks run in order in one namespace."""
+    page = tmp_path / "page.md"
+    cases = {
+        "```python\nx = 1\n```\n\n```python\nassert x == 2, 'x is 1'\n```\n": (
+            ":5: the ```python block",
+            "x is 1",
+        ),
+        "```console\n$ true\nsample output\n$ exit 3\n```\n": (":1: the ```console", "exit 3"),
+        "<!-- file: app.toml -->\n```toml\n[broken\n```\n": (":2: the ```toml", "TOMLDecode"),
+    }
+    for text, (where, why) in cases.items():
+        workdir = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        workdir.mkdir()
+        with pytest.raises(pytest.fail.Exception) as failed:
+            run_page(page, workdir, text)
+        assert where in str(failed.value) and why in str(failed.value), str(failed.value)
