@@ -10,6 +10,7 @@ written to ``RESULT.json`` (its line, and what went wrong) and ends the run.
 
 from __future__ import annotations
 
+import builtins
 import configparser
 import json
 import os
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import tomllib
 import traceback
+import types
 import warnings
 from pathlib import Path
 from typing import Any
@@ -70,8 +72,17 @@ def run_console(block: dict[str, Any]) -> None:
             )
 
 
+def page_namespace() -> dict[str, Any]:
+    """A fresh ``__main__`` module for the page's code: what SQLAlchemy, dataclasses and
+    pickle look classes up in is the module their ``__module__`` names."""
+    module = types.ModuleType("__main__")
+    module.__dict__["__builtins__"] = builtins
+    sys.modules["__main__"] = module
+    return module.__dict__
+
+
 def run_blocks(page: str, blocks: list[dict[str, Any]]) -> dict[str, Any] | None:
-    namespace: dict[str, Any] = {"__name__": "__main__"}
+    namespace = page_namespace()
     for block in blocks:
         line = block["line"]
         try:
