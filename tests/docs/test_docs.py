@@ -11,7 +11,8 @@ The convention (what a page may contain):
   output and are not compared.
 - A block right after ``<!-- file: NAME -->`` is not executed but written to ``NAME`` in that
   directory, and checked by parsing (``.py`` compiled, ``ini``/``.service`` with
-  configparser, ``toml`` with tomllib, ``json``, ``bash -n``); any language may be written so.
+  configparser, ``toml`` with tomllib, ``json``, ``bash -n``); its language must be one of
+  ``WRITABLE`` (a typo fails the page).
 - Any other block (no language, or another language without a file marker) fails the page.
 
 Each page runs in a subprocess of its own (``page_runner.py``), so pages cannot see each
@@ -43,6 +44,12 @@ FENCE = re.compile(r"^(?P<indent> {0,12})(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`]*
 FILE_MARKER = re.compile(r"^\s*<!--\s*file:\s*(?P<name>\S+)\s*-->\s*$")
 #: Languages a page may run without a file marker.
 RUNNABLE = ("python", "console")
+#: Languages a file block may have (those with a parser are checked by page_runner.py).
+WRITABLE = (
+    *RUNNABLE,
+    *("py", "ini", "systemd", "toml", "json", "bash", "sh", "shell", "dockerfile", "sql"),
+    *("yaml", "text", "mako", "nginx", "env"),
+)
 
 
 class PageError(Exception):
@@ -94,6 +101,11 @@ def parse_page(path: Path, text: str | None = None) -> list[Block]:
         index += 1
         block = Block(line=start, language=language, text="\n".join(body) + "\n", file=marker)
         marker = None
+        if block.file is not None and language not in WRITABLE:
+            raise PageError(
+                f"{name}:{start}: unknown language {language!r} for {block.file}: use one of "
+                f"{', '.join(WRITABLE)}"
+            )
         if block.file is None:
             if not language:
                 raise PageError(
@@ -208,6 +220,8 @@ def test_runner_refuses_unmarked_and_unknown_blocks(tmp_path: Path) -> None:
         with pytest.raises(PageError, match=rf"page\.md:5: .*{re.escape(expected)}"):
             parse_page(page, text)
     assert parse_page(page, "<!-- file: app.yaml -->\n```yaml\nkey: value\n```\n")[0].file
+    with pytest.raises(PageError, match=r"page\.md:2: unknown language 'pyhton'"):
+        parse_page(page, "<!-- file: app.py -->\n```pyhton\nx = 1\n```\n")
 
 
 def test_runner_failure_names_page_and_line(tmp_path: Path) -> None:
