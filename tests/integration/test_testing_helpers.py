@@ -183,7 +183,7 @@ def test_enqueued_jobs_sees_a_transactions_own_uncommitted_jobs(engine: sa.Engin
         enqueued_jobs("sqlite://")  # type: ignore[arg-type]
 
 
-def test_enqueued_jobs_decodes_with_the_given_serializer(engine: sa.Engine) -> None:
+def test_enqueued_jobs_and_drain_decode_with_the_given_serializer(engine: sa.Engine) -> None:
     class Tagged:
         def dumps(self, payload: Any) -> str:
             return json.dumps({"v": payload})
@@ -195,6 +195,9 @@ def test_enqueued_jobs_decodes_with_the_given_serializer(engine: sa.Engine) -> N
     assert enqueued_jobs(engine, serializer=Tagged())[0].payload == [1, 2]
     with pytest.raises(sp.PayloadDeserializationError, match="cannot be decoded"):
         enqueued_jobs(engine, serializer=type("Broken", (Tagged,), {"loads": lambda s, t: 1 / 0})())
+    seen: list[Any] = []
+    assert drain(engine, lambda t, p: seen.append(p), serializer=Tagged()) == 1
+    assert seen == [[1, 2]]
 
 
 # --- the pytest plugin ---------------------------------------------------------------------
