@@ -18,7 +18,7 @@ from typing import Any, Literal
 from sqlalchemy import Connection, Engine
 from sqlalchemy import exc as sa_exc
 
-from sqla_proletarian import ledger
+from sqla_proletarian import ledger, telemetry
 from sqla_proletarian import statements as sql
 from sqla_proletarian.dialects import dialect_of
 from sqla_proletarian.errors import (
@@ -108,6 +108,8 @@ class _Claim:
     #: Succeeded, and archived with the claim's other successes when it finishes.
     deferred: bool = False
     started: float = field(default_factory=time.monotonic)
+    #: The worker's clock when the job was claimed (for its queue lag).
+    claimed_at: datetime | None = None
 
 
 def describe(exc: BaseException) -> str:
@@ -249,7 +251,10 @@ class JobRunner:
                     # the commit.
                     break
                 claim.phase = "running"
-                done.append((claim, *self._run(conn, claim)))
+                with telemetry.run_span(claim.job, claim.claimed_at) as run:
+                    outcome, failure = self._run(conn, claim)
+                    run.ended(outcome, failure[1] if failure else None)
+                done.append((claim, outcome, failure))
             if not done:
                 assert claim is not None
                 claim.phase = "claimed"
@@ -318,12 +323,14 @@ class JobRunner:
             worker_id=self.settings.worker_id,
             queue=self.settings.queue,
         )
-        claim = sql.poll(self.settings.queue, self.now(), self._batch_size, with_runs=self._tracked)
+        now = self.now()
+        claim = sql.poll(self.settings.queue, now, self._batch_size, with_runs=self._tracked)
         claims = []
         for row in conn.execute(*claim).mappings().all():
             job = dict(row)
             records = job.pop("runs", 0)
-            claims.append(_Claim(job, ledger.past_runs(self.dialect, conn, job["job_id"], records)))
+            past = ledger.past_runs(self.dialect, conn, job["job_id"], records)
+            claims.append(_Claim(job, past, claimed_at=now))
         # A job whose batch died with its worker runs alone, so that a crash is charged to it.
         suspects = [claim for claim in claims if claim.past.suspect]
         return suspects[:1] if suspects and len(claims) > 1 else claims
@@ -527,6 +534,7 @@ class JobRunner:
                     # recorded; the job runs again.
                     raise
                 log_event(logging.WARNING, "handle-job-exception", **fields, error=repr(exc))
+                telemetry.job_error(exc)
                 return self._after_exception(conn, claim, context, exc, runs)
             if claim.past.unclean_ends:
                 self._archive(conn, job, "success", runs, None, with_runs=False)

@@ -49,6 +49,7 @@ JOB_COLUMNS = (
     JOB.c.attempts,
     JOB.c.enqueued_at,
     JOB.c.process_at,
+    JOB.c.trace_context,
 )
 
 
@@ -91,6 +92,8 @@ _INSERT_JOB = insert(JOB).inline()
 
 #: The columns an enqueue writes, in order: those a claim reads (``seq`` is the server's).
 ENQUEUED_COLUMNS = tuple(column.name for column in JOB_COLUMNS)
+#: The enqueued columns the archive keeps: all but the enqueuer's trace context.
+_KEPT_COLUMNS = tuple(name for name in ENQUEUED_COLUMNS if name in ARCHIVE.c)
 
 
 def insert_job(values: dict[str, Any]) -> Statement:
@@ -108,7 +111,7 @@ def _insert_unnest(table: Table, columns: tuple[str, ...]) -> Executable:
 
 
 def _as_arrays(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> dict[str, list[Any]]:
-    return {name: [row[name] for row in rows] for name in columns}
+    return {name: [row.get(name) for row in rows] for name in columns}
 
 
 def insert_jobs(rows: list[dict[str, Any]], *, unnest: bool) -> tuple[Executable, Any]:
@@ -133,7 +136,7 @@ def relock(job_id: uuid.UUID) -> Statement:
 
 
 #: The archive columns an outcome replaces when the job id is archived already.
-_ARCHIVE_REPLACED = (*ENQUEUED_COLUMNS[1:], "status", "finished_at", "error")
+_ARCHIVE_REPLACED = (*_KEPT_COLUMNS[1:], "status", "finished_at", "error")
 
 
 @cache
@@ -189,7 +192,7 @@ def delete_job_and_runs(job_id: uuid.UUID) -> Statement:
 # --- finishing a claim: every succeeded job archived in as few statements as possible ------
 
 _IDS: BindParameter[Any] = bindparam("ids", expanding=True)
-_ARCHIVED_COLUMNS = [*ENQUEUED_COLUMNS, "status", "finished_at", "error"]
+_ARCHIVED_COLUMNS = [*_KEPT_COLUMNS, "status", "finished_at", "error"]
 
 
 def _as_archived(columns: Any) -> Select[Any]:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from sqla_proletarian import telemetry
 from sqla_proletarian.errors import InvalidJobError, PayloadSerializationError
 from sqla_proletarian.serialization import DEFAULT_SERIALIZER, Serializer
 from sqla_proletarian.types import MAX_NAME_LENGTH
@@ -108,7 +109,8 @@ def build_job_values(
     job_id_strategy: JobIdStrategy | None = None,
     clock: Clock | None = None,
 ) -> dict[str, Any]:
-    """The column values of a new job, validated; raises before anything is written."""
+    """The column values of a new job, validated; raises before anything is written. With
+    OpenTelemetry, the enqueue's span is recorded here and its context kept in the row."""
     check_name("job_type", job_type)
     check_name("queue", queue)
     now = check_aware("clock()", (clock or utc_now)())
@@ -117,7 +119,11 @@ def build_job_values(
         job_id = (job_id_strategy or uuid4)()
     if not isinstance(job_id, uuid.UUID):
         raise InvalidJobError("job_id", f"{job_id!r} is not a uuid.UUID")
-    return _new_row(job_id, queue, job_type, text, now, schedule(now, process_at, process_in))
+    row = _new_row(job_id, queue, job_type, text, now, schedule(now, process_at, process_in))
+    trace_context = telemetry.enqueue_context(queue, job_id=job_id, job_type=job_type)
+    if trace_context is not None:
+        row["trace_context"] = trace_context
+    return row
 
 
 def _new_row(
@@ -174,4 +180,9 @@ def build_many_job_values(
         except InvalidJobError as exc:
             raise InvalidJobError(f"jobs[{index}]", str(exc)) from exc
         rows.append(_new_row(job_id, queue, job_type, text, now, due))
+    # One span for the batch, whose jobs share its context.
+    trace_context = telemetry.enqueue_context(queue, batch=len(rows)) if rows else None
+    if trace_context is not None:
+        for row in rows:
+            row["trace_context"] = trace_context
     return rows
