@@ -13,7 +13,8 @@ from sqla_proletarian.errors import (
     UnknownJobTypeError,
 )
 from sqla_proletarian.handlers import JobContext, JobHandlers
-from sqla_proletarian.maintenance import prune_archive
+from sqla_proletarian.inspection import FailedJob, QueueStatus, failed_jobs, queue_status
+from sqla_proletarian.maintenance import prune_archive, retry_failed
 from sqla_proletarian.models import (
     DEFAULT_QUEUE,
     ArchivedJob,
@@ -38,6 +39,7 @@ __all__ = [
     "DEFAULT_QUEUE",
     "ArchivedJob",
     "ConfigurationError",
+    "FailedJob",
     "InvalidJobError",
     "InvalidRetryStrategyError",
     "Job",
@@ -50,6 +52,7 @@ __all__ = [
     "PayloadDeserializationError",
     "PayloadSerializationError",
     "ProletarianError",
+    "QueueStatus",
     "QueueWorker",
     "RetryStrategy",
     "Serializer",
@@ -58,10 +61,13 @@ __all__ = [
     "create_queue_worker",
     "enqueue",
     "enqueue_many",
+    "failed_jobs",
     "include_object",
     "metadata",
     "process_next_job",
     "prune_archive",
+    "queue_status",
+    "retry_failed",
     "utc_now",
     "uuid4",
     "uuid7",

@@ -1,4 +1,5 @@
-"""Housekeeping of the library's tables: pruning the archive, in short batches.
+"""Housekeeping of the library's tables: installing them, pruning the archive in short
+batches, and putting failed jobs back in the queue.
 
 The worker only ever adds to the archive, so it grows without end unless someone deletes
 old rows. ``prune_archive`` does that without getting in the workers' way: each batch is a
@@ -10,18 +11,32 @@ holds a lock that an archive insert waits for.
 from __future__ import annotations
 
 import logging
+import uuid
+from collections.abc import Iterable
 from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine, inspect
+from sqlalchemy.orm import Session, scoped_session
 
 from sqla_proletarian import statements as sql
-from sqla_proletarian.dialects import dialect_of
-from sqla_proletarian.errors import ConfigurationError
+from sqla_proletarian import wakeups
+from sqla_proletarian.dialects import Dialect, dialect_of
+from sqla_proletarian.enqueue import Transaction, _connection_of
+from sqla_proletarian.errors import ConfigurationError, InvalidJobError, ProletarianError
 from sqla_proletarian.logs import log_event
-from sqla_proletarian.models import Status
-from sqla_proletarian.values import Clock, utc_now
+from sqla_proletarian.models import JOB_TABLE, Status
+from sqla_proletarian.values import Clock, check_name, utc_now
 
-__all__ = ["DEFAULT_PRUNE_BATCH_SIZE", "MAX_PRUNE_BATCH_SIZE", "prune_archive"]
+__all__ = [
+    "DEFAULT_PRUNE_BATCH_SIZE",
+    "MAX_PRUNE_BATCH_SIZE",
+    "RETRY_BATCH_SIZE",
+    "install_tables",
+    "prune_archive",
+    "retry_failed",
+]
 
 #: Rows ``prune_archive`` deletes per transaction by default.
 DEFAULT_PRUNE_BATCH_SIZE = 1000
@@ -142,3 +157,205 @@ def _cutoff(clock: Clock, older_than: timedelta) -> datetime:
         raise ConfigurationError(
             f"older_than={older_than!r} reaches back before the year 1: give a shorter span"
         ) from None
+
+
+# --- putting failed jobs back in the queue ---------------------------------------------------
+
+#: Archived failures put back per statement, and per transaction when given an Engine.
+RETRY_BATCH_SIZE = 500
+
+
+def retry_failed(
+    bind: Engine | Transaction,
+    job_ids: Iterable[uuid.UUID | str] | None = None,
+    *,
+    queue: str | None = None,
+    job_type: str | None = None,
+    clock: Clock = utc_now,
+) -> int:
+    """Put archived failures back in the queue, due now; return how many were put back.
+
+    Each keeps its ``job_id`` and starts again from zero attempts; its archive row goes in
+    the same transaction, so the archive shows the job again only once it has ended anew.
+    ``job_ids=None`` means every failure of ``queue`` and ``job_type`` (both optional).
+    Ids that are not archived failures, or that are queued right now, are skipped.
+
+    With a Session or Connection it joins the caller's transaction and never commits, like
+    ``enqueue()``. With an Engine it commits every ``RETRY_BATCH_SIZE`` jobs, each batch a
+    short transaction at READ COMMITTED (on SQLite under the write lock); if one fails,
+    those before it stay put back. Idle workers of the queues wake at the commit.
+    """
+    ids = _retry_ids(job_ids)
+    if queue is not None:
+        check_name("queue", queue)
+    if job_type is not None:
+        check_name("job_type", job_type)
+    if isinstance(bind, Engine):
+        dialect = dialect_of(bind)
+        with dialect.claim_connection(bind) as conn:
+            return _retry_batches(conn, dialect, ids, queue, job_type, clock, commit=True)
+    conn = _connection_of(bind, "retry_failed")
+    session = bind() if isinstance(bind, scoped_session) else bind
+    if isinstance(session, Session):
+        session.flush()  # jobs the session enqueued are queued as far as the database knows
+    return _retry_batches(conn, dialect_of(conn), ids, queue, job_type, clock, commit=False)
+
+
+def _retry_ids(job_ids: Iterable[uuid.UUID | str] | None) -> list[uuid.UUID] | None:
+    """The job ids to put back, as UUIDs without repeats; None for all."""
+    if job_ids is None:
+        return None
+    if isinstance(job_ids, str | uuid.UUID):
+        raise InvalidJobError("job_ids", f"{job_ids!r} is one id; give a list of ids")
+    ids: dict[uuid.UUID, None] = {}
+    for value in job_ids:
+        if isinstance(value, uuid.UUID):
+            ids[value] = None
+            continue
+        try:
+            ids[uuid.UUID(value)] = None
+        except (TypeError, ValueError, AttributeError):
+            raise InvalidJobError(
+                "job_ids", f"{value!r} is not a job id; give UUIDs as archived"
+            ) from None
+    return list(ids)
+
+
+def _retry_batches(
+    conn: Connection,
+    dialect: Dialect,
+    ids: list[uuid.UUID] | None,
+    queue: str | None,
+    job_type: str | None,
+    clock: Clock,
+    *,
+    commit: bool,
+) -> int:
+    """Put failures back batch by batch: the given ids in slices, or all matching until a
+    batch comes back short."""
+    slices = (
+        [ids[start : start + RETRY_BATCH_SIZE] for start in range(0, len(ids), RETRY_BATCH_SIZE)]
+        if ids is not None
+        else None
+    )
+    total = 0
+    while slices is None or slices:
+        chunk = slices.pop(0) if slices is not None else None
+        if commit:
+            dialect.begin_claim(conn)
+        moved, found = _retry_batch(conn, dialect, chunk, queue, job_type, clock())
+        if commit:
+            conn.commit()
+        total += moved
+        if slices is None and (found < RETRY_BATCH_SIZE or moved == 0):
+            break
+    return total
+
+
+def _retry_batch(
+    conn: Connection,
+    dialect: Dialect,
+    ids: list[uuid.UUID] | None,
+    queue: str | None,
+    job_type: str | None,
+    now: datetime,
+) -> tuple[int, int]:
+    """One batch: read the failures to put back (no locks), move them; (moved, found)."""
+    rows = conn.execute(
+        *sql.failures_to_retry(RETRY_BATCH_SIZE, job_ids=ids, queue=queue, job_type=job_type)
+    ).all()
+    if not rows:
+        return 0, 0
+    found = [row.job_id for row in rows]
+    statements = sql.requeue_failed(found, now, returning=dialect.deletes_runs_with_job)
+    counts = [conn.execute(*statement).rowcount for statement in statements]
+    if len(set(counts)) != 1:
+        raise ProletarianError(
+            f"retry_failed() queued {counts[0]} jobs but removed {counts[1]} archive rows: "
+            "something changed the archive meanwhile; roll back and try again"
+        )
+    wakeups.enqueued(conn, {row.queue for row in rows})
+    return counts[0], len(rows)
+
+
+# --- installing the tables -------------------------------------------------------------------
+
+
+def install_tables(engine: Engine) -> list[str]:
+    """Apply the library's Alembic migrations to ``engine``'s database; return the revisions
+    applied, oldest first (none when the tables are up to date).
+
+    For a database without an Alembic project of its own. The revisions are recorded in the
+    standard ``alembic_version`` table, on the library's branch, so an Alembic project that
+    later lists the library's version location finds them applied (``alembic upgrade
+    heads`` then runs only its own revisions). A database at an older revision of the
+    library is upgraded. Refused, with nothing changed: revisions of another project in
+    ``alembic_version`` (install through that project), a library revision newer than this
+    package, and tables that exist with no revision recorded (``metadata.create_all``).
+    """
+    from alembic.config import Config
+    from alembic.migration import MigrationContext
+    from alembic.runtime.environment import EnvironmentContext
+    from alembic.script import ScriptDirectory
+
+    from sqla_proletarian import migrations
+
+    if not isinstance(engine, Engine):
+        raise ConfigurationError(
+            f"install_tables() needs a sqlalchemy Engine, not {type(engine).__name__}: "
+            "migrations run in transactions of their own"
+        )
+    config = Config()
+    config.set_main_option("script_location", str(Path(migrations.VERSION_LOCATION).parent))
+    config.set_main_option("version_locations", migrations.VERSION_LOCATION)
+    config.set_main_option("path_separator", "os")
+    script = ScriptDirectory.from_config(config)
+    target = f"{migrations.BRANCH_LABEL}@head"
+    applied: list[str] = []
+
+    def upgrade(revision: Any, context: Any) -> Any:
+        return script._upgrade_revs(target, revision)
+
+    def on_version_apply(ctx: Any, step: Any, heads: Any, run_args: Any) -> None:
+        applied.append(str(step.up_revision_id))
+
+    with engine.begin() as conn:
+        heads = set(MigrationContext.configure(conn).get_current_heads())
+        known = {revision.revision for revision in script.walk_revisions()}
+        _check_installable(conn, heads, known, migrations.HEAD_REVISION)
+        with EnvironmentContext(config, script, fn=upgrade) as environment:
+            environment.configure(connection=conn, on_version_apply=on_version_apply)
+            with environment.begin_transaction():
+                environment.run_migrations()
+    log_event(
+        logging.INFO,
+        "tables-installed",
+        applied=",".join(applied) or None,
+        revision=migrations.HEAD_REVISION,
+    )
+    return applied
+
+
+def _check_installable(conn: Connection, heads: set[str], known: set[str], newest: str) -> None:
+    """Refuse databases whose Alembic history is not the library's alone."""
+    foreign = sorted(heads - known)
+    newer = [revision for revision in foreign if revision.startswith("sqlap_")]
+    if newer:
+        raise ProletarianError(
+            f"the database is at sqla-proletarian revision {newer[0]}, which this version of "
+            f"the package does not know (its newest is {newest}): upgrade the package"
+        )
+    if foreign:
+        raise ProletarianError(
+            f"this database's alembic_version holds revisions of another Alembic project "
+            f"({', '.join(foreign)}): install the library's tables through that project: add "
+            "sqla_proletarian.migrations:versions to its version_locations and run "
+            "`alembic upgrade heads`"
+        )
+    if not heads & known and inspect(conn).has_table(JOB_TABLE):
+        raise ProletarianError(
+            "the library's tables exist but alembic_version records no revision of the "
+            "library (made with metadata.create_all?): drop them to install them with the "
+            "migrations, or, if they match this version, record them with `alembic stamp "
+            "sqla_proletarian@head` from a project that lists the library's version location"
+        )

@@ -15,18 +15,25 @@ from typing import Any, cast
 from sqlalchemy import (
     BigInteger,
     Executable,
+    Integer,
     Select,
     String,
     Table,
     Uuid,
     any_,
     bindparam,
+    case,
+    column,
     delete,
+    exists,
+    false,
     func,
     insert,
     literal,
     null,
     select,
+    table,
+    true,
     update,
 )
 from sqlalchemy.dialects import mysql, postgresql, sqlite
@@ -449,3 +456,260 @@ def delete_archived(
     if status is not None:
         params["status"] = status
     return _delete_archived(status is not None), params
+
+
+# --- inspection and putting failures back (inspection.py, maintenance.retry_failed) --------
+
+_NOW = bindparam("now", type_=JOB.c.process_at.type)
+_DUE = JOB.c.process_at <= _NOW
+_FAILURE = ARCHIVE.c.status == literal("failure", String(16))
+
+
+def _count_if(condition: Any) -> Any:
+    return func.coalesce(func.sum(case((condition, 1), else_=0)), 0)
+
+
+_QUEUE_COUNTS = select(
+    JOB.c.queue,
+    _count_if(_DUE).label("due"),
+    _count_if(~_DUE).label("scheduled"),
+    func.min(case((_DUE, JOB.c.process_at), else_=null())).label("oldest_due"),
+).group_by(JOB.c.queue)
+
+
+def queue_counts(now: datetime) -> Statement:
+    """Per queue: jobs due at ``now``, jobs scheduled later, the oldest due ``process_at``
+    (one pass over the poll index, which holds both columns)."""
+    return _QUEUE_COUNTS, {"now": now}
+
+
+_FINISHED_COUNTS = (
+    select(
+        ARCHIVE.c.queue,
+        _count_if(ARCHIVE.c.status == literal("success", String(16))).label("succeeded"),
+        _count_if(ARCHIVE.c.status == literal("failure", String(16))).label("failed"),
+    )
+    .where(ARCHIVE.c.finished_at >= bindparam("since", type_=ARCHIVE.c.finished_at.type))
+    .group_by(ARCHIVE.c.queue)
+)
+
+
+def finished_counts(since: datetime) -> Statement:
+    """Per queue: archived successes and failures since ``since`` (a range of the
+    ``finished_at`` index)."""
+    return _FINISHED_COUNTS, {"since": since}
+
+
+_CLAIMED_RUNS = (
+    select(JOB.c.queue, RUN.c.owner, func.count(func.distinct(RUN.c.job_id)).label("jobs"))
+    .select_from(RUN.join(JOB, JOB.c.job_id == RUN.c.job_id))
+    .group_by(JOB.c.queue, RUN.c.owner)
+)
+
+
+def claimed_runs() -> Statement:
+    """Per queue and run-record owner: the queued jobs with a run record (the ledger holds
+    one per claimed job, plus those of dead workers until their jobs are claimed again)."""
+    return _CLAIMED_RUNS, {}
+
+
+_OLDEST_UNCLAIMED = (
+    select(JOB.c.process_at)
+    .where(
+        JOB.c.queue == bindparam("queue"),
+        _DUE,
+        ~exists()
+        .where(RUN.c.job_id == JOB.c.job_id, RUN.c.owner.in_(bindparam("live", expanding=True)))
+        .correlate(JOB),
+    )
+    .order_by(JOB.c.process_at, JOB.c.seq)
+    .limit(1)
+)
+
+
+def oldest_unclaimed(queue: str, now: datetime, live_owners: list[str]) -> Statement:
+    """The ``process_at`` of a queue's oldest due job that no live worker holds: the poll's
+    own index order, stopping at the first such job."""
+    return _OLDEST_UNCLAIMED, {"queue": queue, "now": now, "live": live_owners}
+
+
+_PG_LOCKS = table(
+    "pg_locks",
+    column("locktype"),
+    column("database"),
+    column("classid"),
+    column("objid"),
+    column("objsubid"),
+    column("granted"),
+)
+_PG_DATABASE = table("pg_database", column("oid"), column("datname"))
+_ADVISORY_LOCKS_HELD = select(_PG_LOCKS.c.classid, _PG_LOCKS.c.objid).where(
+    _PG_LOCKS.c.locktype == literal("advisory"),
+    _PG_LOCKS.c.objsubid == literal(1),
+    _PG_LOCKS.c.granted.is_(true()),
+    _PG_LOCKS.c.database
+    == select(_PG_DATABASE.c.oid)
+    .where(_PG_DATABASE.c.datname == func.current_database())
+    .scalar_subquery(),
+)
+
+
+def advisory_locks_held() -> Statement:
+    """PostgreSQL: the bigint advisory locks held in this database, as (classid, objid)
+    halves; reading ``pg_locks`` takes no lock a worker could wait for."""
+    return _ADVISORY_LOCKS_HELD, {}
+
+
+def advisory_lock_tag(owner: str) -> tuple[int, int]:
+    """The (classid, objid) under which ``pg_locks`` shows an owner's advisory lock: the high
+    and low 32 bits of its bigint key."""
+    key: int = _owner_params("advisory", owner)["key"]
+    return (key >> 32) & 0xFFFFFFFF, key & 0xFFFFFFFF
+
+
+def used_locks(owners: list[str]) -> Statement:
+    """MySQL/MariaDB: for each owner, the connection holding its named lock, or NULL (the
+    lock is only looked at, never taken)."""
+    names = [bindparam(f"owner_{index}", type_=String(64)) for index in range(len(owners))]
+    statement = select(*(func.is_used_lock(name) for name in names))
+    return statement, {f"owner_{index}": owner for index, owner in enumerate(owners)}
+
+
+@cache
+def _failed_jobs(by_queue: bool, by_type: bool) -> Select[Any]:
+    conditions = [_FAILURE]
+    if by_queue:
+        conditions.append(ARCHIVE.c.queue == bindparam("queue"))
+    if by_type:
+        conditions.append(ARCHIVE.c.job_type == bindparam("job_type"))
+    return (
+        select(ARCHIVE)
+        .where(*conditions)
+        .order_by(ARCHIVE.c.finished_at.desc(), ARCHIVE.c.job_id.desc())
+        .limit(bindparam("limit", type_=BigInteger))
+    )
+
+
+def failed_jobs(limit: int, *, queue: str | None = None, job_type: str | None = None) -> Statement:
+    """The newest archived failures, read backwards through the ``finished_at`` index."""
+    params: dict[str, Any] = {"limit": limit}
+    if queue is not None:
+        params["queue"] = queue
+    if job_type is not None:
+        params["job_type"] = job_type
+    return _failed_jobs(queue is not None, job_type is not None), params
+
+
+@cache
+def _failures_to_retry(by_ids: bool, by_queue: bool, by_type: bool) -> Select[Any]:
+    conditions = [
+        _FAILURE,
+        ~exists().where(JOB.c.job_id == ARCHIVE.c.job_id).correlate(ARCHIVE),
+    ]
+    if by_ids:
+        conditions.append(ARCHIVE.c.job_id.in_(bindparam("job_ids", expanding=True)))
+    if by_queue:
+        conditions.append(ARCHIVE.c.queue == bindparam("queue"))
+    if by_type:
+        conditions.append(ARCHIVE.c.job_type == bindparam("job_type"))
+    statement = select(ARCHIVE.c.job_id, ARCHIVE.c.queue)
+    if not by_ids:
+        statement = statement.with_hint(ARCHIVE, _BY_FINISHED_AT, "mysql").with_hint(
+            ARCHIVE, _BY_FINISHED_AT, "mariadb"
+        )
+    return (
+        statement.where(*conditions)
+        .order_by(ARCHIVE.c.finished_at)
+        .limit(bindparam("batch_size", type_=BigInteger))
+    )
+
+
+def failures_to_retry(
+    batch_size: int,
+    *,
+    job_ids: list[uuid.UUID] | None = None,
+    queue: str | None = None,
+    job_type: str | None = None,
+) -> Statement:
+    """The oldest archived failures (of ``job_ids``, by primary key, else through the
+    ``finished_at`` index) whose id is not queued right now; a plain read, locking nothing."""
+    params: dict[str, Any] = {"batch_size": batch_size}
+    if job_ids is not None:
+        params["job_ids"] = job_ids
+    if queue is not None:
+        params["queue"] = queue
+    if job_type is not None:
+        params["job_type"] = job_type
+    statement = _failures_to_retry(job_ids is not None, queue is not None, job_type is not None)
+    return statement, params
+
+
+#: What a job put back in the queue is made of: its archived identity, attempts from zero,
+#: enqueued and due now.
+_REQUEUED_COLUMNS = (
+    "job_id",
+    "queue",
+    "job_type",
+    "payload",
+    "attempts",
+    "enqueued_at",
+    "process_at",
+)
+_ENQUEUE_NOW = bindparam("now", type_=JOB.c.enqueued_at.type)
+
+
+def _requeued(columns: Any) -> Select[Any]:
+    return select(
+        columns.job_id,
+        columns.queue,
+        columns.job_type,
+        columns.payload,
+        literal(0, Integer()),
+        _ENQUEUE_NOW,
+        _ENQUEUE_NOW,
+    )
+
+
+_MOVED = (
+    delete(ARCHIVE)
+    .where(ARCHIVE.c.job_id == _any("job_ids"), _FAILURE)
+    .returning(ARCHIVE.c.job_id, ARCHIVE.c.queue, ARCHIVE.c.job_type, ARCHIVE.c.payload)
+    .cte("moved")
+)
+_REQUEUE_RETURNING = (
+    insert(JOB)
+    .from_select(list(_REQUEUED_COLUMNS), _requeued(_MOVED.c))
+    .add_cte(_MOVED)
+    .execution_options(preserve_rowcount=True)
+)
+_FAILED_BY_ID = (ARCHIVE.c.job_id.in_(bindparam("job_ids", expanding=True)), _FAILURE)
+_REQUEUE_COPY = insert(JOB).from_select(
+    list(_REQUEUED_COLUMNS), _requeued(ARCHIVE.c).where(*_FAILED_BY_ID)
+)
+_DELETE_FAILED = delete(ARCHIVE).where(*_FAILED_BY_ID)
+
+
+def requeue_failed(job_ids: list[uuid.UUID], now: datetime, *, returning: bool) -> list[Statement]:
+    """Move archived failures back into the queue: one statement where ``DELETE ...
+    RETURNING`` can feed the insert (PostgreSQL), else an ``INSERT ... SELECT`` and a
+    ``DELETE`` by primary key. Each statement's row count is the number moved."""
+    if returning:
+        return [(_REQUEUE_RETURNING, {"job_ids": job_ids, "now": now})]
+    return [
+        (_REQUEUE_COPY, {"job_ids": job_ids, "now": now}),
+        (_DELETE_FAILED, {"job_ids": job_ids}),
+    ]
+
+
+_DUE_JOB = select(JOB.c.seq).where(JOB.c.queue == bindparam("queue"), _DUE).limit(1)
+
+
+def due_job(queue: str, now: datetime) -> Statement:
+    """Any job of the queue due at ``now``, running or not (a probe of the poll index)."""
+    return _DUE_JOB, {"queue": queue, "now": now}
+
+
+def probe_tables() -> list[Statement]:
+    """Read no row of each library table, naming every column the models know: fails
+    when a table or a column is missing (tables never installed, or not upgraded)."""
+    return [(select(table).where(false()), {}) for table in (JOB, ARCHIVE, RUN)]

@@ -1,0 +1,126 @@
+"""Running the installed ``sqla-proletarian`` console script, and reading the tables back."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+
+from sqla_proletarian import statements
+
+if TYPE_CHECKING:
+    from conftest import Database
+
+#: The console script of this venv (beside its python), else the one on PATH.
+_BESIDE = Path(sys.executable).with_name("sqla-proletarian")
+CLI = str(_BESIDE) if _BESIDE.exists() else shutil.which("sqla-proletarian") or "sqla-proletarian"
+
+#: A handler module for the commands' tests: ``ok`` succeeds, ``fails`` raises, ``slow``
+#: takes a while; every run is noted in ``events.log`` as ``start|end <pid> <job id>``.
+TASKS = """\
+import os
+import time
+
+import sqla_proletarian as sp
+
+handlers = sp.JobHandlers()
+
+
+def note(what, job):
+    with open("events.log", "a") as events:
+        events.write(f"{what} {os.getpid()} {job.job_id}\\n")
+
+
+@handlers.register("ok")
+def ok(job):
+    note("end", job)
+
+
+@handlers.register("fails")
+def fails(job):
+    raise ValueError(f"no good: {job.payload}")
+
+
+@handlers.register("slow")
+def slow(job):
+    note("start", job)
+    time.sleep(job.payload["seconds"])
+    note("end", job)
+
+
+def create_handlers():
+    return handlers
+"""
+
+
+def url_of(database: Database) -> str:
+    return database.url.render_as_string(hide_password=False)
+
+
+def write_tasks(directory: Path) -> Path:
+    (directory / "tasks.py").write_text(TASKS)
+    return directory
+
+
+def cli(
+    *args: str, cwd: Path | None = None, timeout: float = 60, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """Run the console script to its end, capturing its output."""
+    return subprocess.run(
+        [CLI, *args],
+        cwd=cwd,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def assert_one_line_error(done: subprocess.CompletedProcess[str], status: int) -> str:
+    """The command failed with ``status``, saying so in one line and no traceback."""
+    assert done.returncode == status, (done.returncode, done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("sqla-proletarian"), lines[0]
+    return lines[0]
+
+
+def events(directory: Path) -> list[tuple[str, int, uuid.UUID]]:
+    """The handler runs noted so far: (start|end, pid, job id)."""
+    path = directory / "events.log"
+    if not path.exists():
+        return []
+    noted = []
+    for line in path.read_text().splitlines():
+        what, pid, job_id = line.split()
+        noted.append((what, int(pid), uuid.UUID(job_id)))
+    return noted
+
+
+def wait_until(predicate: Callable[[], Any], what: str, timeout: float = 30) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def rows(engine: sa.Engine, table: sa.Table) -> list[sa.Row[Any]]:
+    with engine.connect() as conn:
+        return list(conn.execute(sa.select(table)).all())
+
+
+def archived(engine: sa.Engine) -> dict[uuid.UUID, sa.Row[Any]]:
+    return {row.job_id: row for row in rows(engine, statements.ARCHIVE)}
