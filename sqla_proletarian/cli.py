@@ -457,16 +457,19 @@ def _worker_arguments(parser: argparse.ArgumentParser) -> None:
         help="the handler: a function, a JobHandlers table, or MODULE:factory() to call one "
         "that returns it (imported from the current directory or PYTHONPATH)",
     )
-    parser.add_argument("--queue", default=DEFAULT_QUEUE, help="the queue to work off (default)")
-    parser.add_argument("--threads", type=int, default=1, help="worker threads (1)")
+    parser.add_argument(
+        "--queue", default=DEFAULT_QUEUE, metavar="Q", help="the queue to work off (default)"
+    )
+    parser.add_argument("--threads", type=int, default=1, metavar="N", help="worker threads (1)")
     parser.add_argument(
         "--processes",
         type=int,
         default=1,
+        metavar="N",
         help="worker processes, each with --threads threads, under a supervisor (1)",
     )
     parser.add_argument(
-        "--batch-size", type=int, default=1, help="jobs claimed per transaction (1)"
+        "--batch-size", type=int, default=1, metavar="N", help="jobs claimed per transaction (1)"
     )
     parser.add_argument(
         "--polling-interval",
@@ -490,7 +493,7 @@ def _worker_arguments(parser: argparse.ArgumentParser) -> None:
 def _enqueue_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("job_type", metavar="JOB_TYPE")
     parser.add_argument("payload", metavar="PAYLOAD_JSON", nargs="?", help="a JSON value")
-    parser.add_argument("--queue", default=DEFAULT_QUEUE, help="the queue (default)")
+    parser.add_argument("--queue", default=DEFAULT_QUEUE, metavar="Q", help="the queue (default)")
     parser.add_argument(
         "--in",
         dest="delay",
@@ -551,7 +554,8 @@ exit status:
        ends it at once
 with --processes N (N > 1), the supervisor's:
   {EXIT_OK}    SIGTERM/SIGINT, and every worker process stopped gracefully; or --burst done
-  {EXIT_UNCLEAN}    a worker process did not stop gracefully (it died during the stop)
+  {EXIT_UNCLEAN}    a worker process did not stop gracefully (it died during the stop), or
+       with --burst ended on an error
   1, 2 the first worker process could not start: its own status (see its message)
   {EXIT_FORCED}+N  a second SIGTERM/SIGINT stopped them at once (130 SIGINT, 143 SIGTERM)
 """

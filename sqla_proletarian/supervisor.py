@@ -58,7 +58,8 @@ Report = Callable[[dict[str, Any]], None]
 
 #: Exit status of the supervisor after a graceful stop (SIGTERM/SIGINT, or --burst done).
 EXIT_OK = 0
-#: Exit status when a worker process did not stop gracefully (it died during the stop).
+#: Exit status when a worker process did not stop gracefully (it died during the stop),
+#: or, with --burst, ended on an error.
 EXIT_UNCLEAN = 1
 #: A second SIGTERM/SIGINT stops every process at once: the supervisor exits with
 #: 128 + the signal's number (130 for SIGINT, 143 for SIGTERM).
@@ -192,7 +193,9 @@ class Supervisor:
     The first process starts alone: if it exits before it has started its worker (a bad
     handler, an unreachable database), the supervisor exits with its status at once. A
     process that dies unexpectedly afterwards is restarted after a pause that doubles from
-    RESTART_BACKOFF_MIN up to RESTART_BACKOFF_MAX (logged as ``worker-process-exited``).
+    RESTART_BACKOFF_MIN up to RESTART_BACKOFF_MAX (logged as ``worker-process-exited``);
+    with ``burst``, only one killed by a signal (one that exits on an error is not, so the
+    burst ends, with EXIT_UNCLEAN).
     The summary counts what every process reported when it stopped; jobs finished by a
     process that was killed are not in it (they are in the archive).
     """
@@ -317,6 +320,12 @@ class Supervisor:
             return None
         if self.burst and code == 0 and process.summary is not None:
             slot.done = True
+            return None
+        if self.burst and code > 0:
+            # It stopped on an error (a database refusing it...): another would too, and a
+            # burst must end. A process killed by a signal is started again instead.
+            slot.done = True
+            self._unclean += 1
             return None
         if not self._ever_started:
             return code if code > 0 else EXIT_UNCLEAN
