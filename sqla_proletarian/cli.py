@@ -17,7 +17,8 @@ import os
 import re
 import sys
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from typing import Any, NoReturn
@@ -205,6 +206,16 @@ def _engine(url: URL, **options: Any) -> sa.Engine:
     return engine
 
 
+@contextmanager
+def _database(args: argparse.Namespace, **options: Any) -> Iterator[sa.Engine]:
+    """The engine of the command's URL, connected once, disposed of at the end."""
+    engine = _engine(_url(args), **options)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
 def _check_tables(engine: sa.Engine) -> None:
     """Fail now, with advice, if the library's tables are missing or not upgraded."""
     with engine.connect() as conn:
@@ -249,11 +260,8 @@ def _one_line(exc: BaseException) -> str:
 def install(args: argparse.Namespace) -> int:
     from sqla_proletarian.migrations import BRANCH_LABEL, HEAD_REVISION
 
-    engine = _engine(_url(args))
-    try:
+    with _database(args) as engine:
         applied = install_tables(engine)
-    finally:
-        engine.dispose()
     if applied:
         print(f"installed {', '.join(applied)}: the library's tables are at {HEAD_REVISION}")
     else:
@@ -277,14 +285,12 @@ def worker(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     if args.processes < 1:
         raise UsageError(f"--processes {args.processes}: give 1 or more")
-    url = _url(args)
     if args.processes > 1:
-        return _supervise(args, url)
+        return _supervise(args, _url(args))
     handler = load_handler(args.handler)
     if args.report_fd is not None:
         stop_with_supervisor()
-    engine = _engine(url, pool_size=2 * args.threads + 2)
-    try:
+    with _database(args, pool_size=2 * args.threads + 2) as engine:
         _check_tables(engine)
         done = run_worker(
             engine,
@@ -294,8 +300,6 @@ def worker(args: argparse.Namespace) -> int:
             install_signal_handlers=True,
             **options,
         )
-    finally:
-        engine.dispose()
     if done.exception is not None:
         _error("worker", f"the worker stopped: {explain(done.exception)}")
         return EXIT_FAILURE
@@ -321,22 +325,15 @@ def _supervise(args: argparse.Namespace, url: URL) -> int:
 def enqueue_job(args: argparse.Namespace) -> int:
     payload = _payload(args.payload)
     process_in = parse_duration(args.delay) if args.delay is not None else None
-    engine = _engine(_url(args))
-    try:
-        with engine.begin() as conn:
-            job_id = enqueue(conn, args.job_type, payload, queue=args.queue, process_in=process_in)
-    finally:
-        engine.dispose()
+    with _database(args) as engine, engine.begin() as conn:
+        job_id = enqueue(conn, args.job_type, payload, queue=args.queue, process_in=process_in)
     print(job_id)
     return EXIT_OK
 
 
 def status(args: argparse.Namespace) -> int:
-    engine = _engine(_url(args))
-    try:
+    with _database(args) as engine:
         queues = queue_status(engine)
-    finally:
-        engine.dispose()
     if args.json:
         rows = [asdict(queue) for queue in queues]
         for row in rows:
@@ -348,16 +345,9 @@ def status(args: argparse.Namespace) -> int:
         print("no jobs queued, and none finished in the last hour")
         return EXIT_OK
     header = ("QUEUE", "READY", "SCHEDULED", "RUNNING", "OLDEST READY", "SUCCEEDED 1H", "FAILED 1H")
+    counts = ("ready", "scheduled", "running", "oldest_ready_age_s", "succeeded_last_hour")
     table = [
-        (
-            q.queue,
-            str(q.ready),
-            str(q.scheduled),
-            str(q.running),
-            _age(q.oldest_ready_age_s),
-            str(q.succeeded_last_hour),
-            str(q.failed_last_hour),
-        )
+        [q.queue, *(_cell(getattr(q, name)) for name in counts), str(q.failed_last_hour)]
         for q in queues
     ]
     print("\n".join(_table(header, table)))
@@ -365,11 +355,8 @@ def status(args: argparse.Namespace) -> int:
 
 
 def failed(args: argparse.Namespace) -> int:
-    engine = _engine(_url(args))
-    try:
+    with _database(args) as engine:
         jobs = failed_jobs(engine, queue=args.queue, job_type=args.job_type, limit=args.limit)
-    finally:
-        engine.dispose()
     if args.json:
         rows = [
             {
@@ -413,11 +400,8 @@ def retry(args: argparse.Namespace) -> int:
     if args.job_ids and (args.queue or args.job_type):
         raise UsageError("--queue and --job-type narrow --all; with JOB_IDs leave them out")
     job_ids = None if args.all else _uuids(args.job_ids)
-    engine = _engine(_url(args))
-    try:
+    with _database(args) as engine:
         count = retry_failed(engine, job_ids, queue=args.queue, job_type=args.job_type)
-    finally:
-        engine.dispose()
     print(f"{count} failed job{'s' if count != 1 else ''} put back in the queue")
     return EXIT_OK
 
@@ -434,11 +418,8 @@ def _uuids(values: Sequence[str]) -> list[uuid.UUID]:
 
 def prune(args: argparse.Namespace) -> int:
     older_than = parse_duration(args.older_than)
-    engine = _engine(_url(args))
-    try:
+    with _database(args) as engine:
         deleted = prune_archive(engine, older_than=older_than, status=args.status)
-    finally:
-        engine.dispose()
     print(f"{deleted} archived job{'s' if deleted != 1 else ''} deleted")
     return EXIT_OK
 
@@ -446,90 +427,69 @@ def prune(args: argparse.Namespace) -> int:
 # --- the table of commands -------------------------------------------------------------------
 
 
-def _install_arguments(parser: argparse.ArgumentParser) -> None:
-    pass
+#: One argument of a command: ``add_argument``'s names and options.
+Argument = tuple[tuple[str, ...], dict[str, Any]]
 
 
-def _worker_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+def arg(*names: str, **options: Any) -> Argument:
+    return names, options
+
+
+WORKER_ARGUMENTS = (
+    arg(
         "handler",
         metavar="MODULE:ATTR",
         help="the handler: a function, a JobHandlers table, or MODULE:factory() to call one "
         "that returns it (imported from the current directory or PYTHONPATH)",
-    )
-    parser.add_argument(
-        "--queue", default=DEFAULT_QUEUE, metavar="Q", help="the queue to work off (default)"
-    )
-    parser.add_argument("--threads", type=int, default=1, metavar="N", help="worker threads (1)")
-    parser.add_argument(
-        "--processes",
-        type=int,
-        default=1,
-        metavar="N",
-        help="worker processes, each with --threads threads, under a supervisor (1)",
-    )
-    parser.add_argument(
-        "--batch-size", type=int, default=1, metavar="N", help="jobs claimed per transaction (1)"
-    )
-    parser.add_argument(
+    ),
+    arg("--queue", default=DEFAULT_QUEUE, metavar="Q", help="the queue to work off (default)"),
+    arg("--threads", type=int, default=1, metavar="N", help="worker threads (1)"),
+    arg("--processes", type=int, default=1, metavar="N", help="worker processes (1)"),
+    arg("--batch-size", type=int, default=1, metavar="N", help="jobs claimed together (1)"),
+    arg(
         "--polling-interval",
         type=float,
         default=DEFAULT_POLLING_INTERVAL,
         metavar="S",
         help=f"seconds between polls of a drained queue ({DEFAULT_POLLING_INTERVAL})",
-    )
-    parser.add_argument(
+    ),
+    arg(
         "--handler-mode",
         choices=("default", "advanced"),
         default="default",
         help="default: handler(job_type, payload); advanced: handler(job)",
-    )
-    parser.add_argument("--burst", action="store_true", help="stop once no job of the queue is due")
+    ),
+    arg("--burst", action="store_true", help="stop once no job of the queue is due"),
     # Between the supervisor and its worker processes (see sqla_proletarian.supervisor).
-    parser.add_argument("--report-fd", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--process-index", type=int, help=argparse.SUPPRESS)
-
-
-def _enqueue_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("job_type", metavar="JOB_TYPE")
-    parser.add_argument("payload", metavar="PAYLOAD_JSON", nargs="?", help="a JSON value")
-    parser.add_argument("--queue", default=DEFAULT_QUEUE, metavar="Q", help="the queue (default)")
-    parser.add_argument(
-        "--in",
-        dest="delay",
-        metavar="SECONDS",
-        help="run it this many seconds from now (or a duration: 90s, 5m, 2h)",
-    )
-
-
-def _status_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help='one object: {"queues": [...]}')
-
-
-def _failed_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--queue", help="only this queue")
-    parser.add_argument("--job-type", help="only this job type")
-    parser.add_argument(
+    arg("--report-fd", type=int, help=argparse.SUPPRESS),
+    arg("--process-index", type=int, help=argparse.SUPPRESS),
+)
+ENQUEUE_ARGUMENTS = (
+    arg("job_type", metavar="JOB_TYPE"),
+    arg("payload", metavar="PAYLOAD_JSON", nargs="?", help="a JSON value"),
+    arg("--queue", default=DEFAULT_QUEUE, metavar="Q", help="the queue (default)"),
+    arg(
+        "--in", dest="delay", metavar="SECONDS", help="due this many seconds (or 90s, 5m, 2h) later"
+    ),
+)
+FAILED_ARGUMENTS = (
+    arg("--queue", help="only this queue"),
+    arg("--job-type", help="only this job type"),
+    arg(
         "--limit", type=int, default=DEFAULT_FAILED_LIMIT, help=f"at most ({DEFAULT_FAILED_LIMIT})"
-    )
-    parser.add_argument("--json", action="store_true", help='one object: {"failed": [...]}')
-
-
-def _retry_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("job_ids", metavar="JOB_ID", nargs="*", help="archived failures")
-    parser.add_argument("--all", action="store_true", help="every archived failure")
-    parser.add_argument("--queue", help="with --all: only this queue")
-    parser.add_argument("--job-type", help="with --all: only this job type")
-
-
-def _prune_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--older-than",
-        required=True,
-        metavar="DURATION",
-        help="finished more than this long ago: 30d, 12h, 90m, 45s",
-    )
-    parser.add_argument("--status", choices=("success", "failure"), help="only jobs that ended so")
+    ),
+    arg("--json", action="store_true", help='one object: {"failed": [...]}'),
+)
+RETRY_ARGUMENTS = (
+    arg("job_ids", metavar="JOB_ID", nargs="*", help="archived failures"),
+    arg("--all", action="store_true", help="every archived failure"),
+    arg("--queue", help="with --all: only this queue"),
+    arg("--job-type", help="with --all: only this job type"),
+)
+PRUNE_ARGUMENTS = (
+    arg("--older-than", required=True, metavar="DURATION", help="30d, 12h, 90m, 45s, ..."),
+    arg("--status", choices=("success", "failure"), help="only jobs that ended so"),
+)
 
 
 @dataclass(frozen=True)
@@ -539,7 +499,7 @@ class Command:
     name: str
     summary: str
     example: str
-    arguments: Callable[[argparse.ArgumentParser], None]
+    arguments: tuple[Argument, ...]
     run: Callable[[argparse.Namespace], int]
     details: str = ""
 
@@ -565,7 +525,7 @@ COMMANDS: tuple[Command, ...] = (
         "install",
         "create or upgrade the library's tables (its Alembic migrations, in alembic_version)",
         f"{PROG} install --url postgresql+psycopg://app@db/app",
-        _install_arguments,
+        (),
         install,
         "For a database without an Alembic project of its own. To use your own Alembic\n"
         "project later, add sqla_proletarian.migrations:versions to its version_locations:\n"
@@ -575,7 +535,7 @@ COMMANDS: tuple[Command, ...] = (
         "worker",
         "run a queue worker until SIGTERM/SIGINT (or, with --burst, until the queue is drained)",
         f"{PROG} worker tasks:handlers --queue emails --threads 4 --processes 2",
-        _worker_arguments,
+        WORKER_ARGUMENTS,
         worker,
         WORKER_DETAILS,
     ),
@@ -583,35 +543,35 @@ COMMANDS: tuple[Command, ...] = (
         "enqueue",
         "enqueue one job (committed) and print its id",
         f'{PROG} enqueue send-welcome-email \'{{"email": "ada@example.com"}}\' --in 60',
-        _enqueue_arguments,
+        ENQUEUE_ARGUMENTS,
         enqueue_job,
     ),
     Command(
         "status",
         "per queue: ready, scheduled, running, oldest ready, finished in the last hour",
         f"{PROG} status --json",
-        _status_arguments,
+        (arg("--json", action="store_true", help='one object: {"queues": [...]}'),),
         status,
     ),
     Command(
         "failed",
         "the archived failures, newest first, with their errors",
         f"{PROG} failed --queue billing --limit 20",
-        _failed_arguments,
+        FAILED_ARGUMENTS,
         failed,
     ),
     Command(
         "retry-failed",
         "put archived failures back in the queue (same job id, attempts from zero, due now)",
         f"{PROG} retry-failed --all --job-type charge-card",
-        _retry_arguments,
+        RETRY_ARGUMENTS,
         retry,
     ),
     Command(
         "prune",
         "delete archived jobs that finished long ago",
         f"{PROG} prune --older-than 30d --status success",
-        _prune_arguments,
+        PRUNE_ARGUMENTS,
         prune,
     ),
 )
@@ -654,7 +614,8 @@ def build_parser() -> argparse.ArgumentParser:
             + f"example:\n  {command.example}",
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
-        command.arguments(sub)
+        for names, options in command.arguments:
+            sub.add_argument(*names, **options)
         sub.set_defaults(run=command.run)
     return parser
 
@@ -710,9 +671,13 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     ]
 
 
-def _age(seconds: float | None) -> str:
-    if seconds is None:
+def _cell(value: int | float | None) -> str:
+    """A count as it is; an age (float seconds) as 12.3s, 5m 3s, 2h 5m or 3d 4h."""
+    if value is None:
         return "-"
+    if isinstance(value, int):
+        return str(value)
+    seconds = value
     if seconds < 60:
         return f"{seconds:.1f}s"
     whole = int(seconds)
