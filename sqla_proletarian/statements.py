@@ -500,16 +500,31 @@ def finished_counts(since: datetime) -> Statement:
     return _FINISHED_COUNTS, {"since": since}
 
 
+#: Each run record's job, owner and queue, read from the ledger's side (a small table: one
+#: row per claimed job, plus dead workers' rows until their jobs are claimed again), each
+#: queue looked up by the job's unique id, so no planner starts from the job table.
+_CLAIMED = (
+    select(
+        RUN.c.job_id,
+        RUN.c.owner,
+        select(JOB.c.queue)
+        .where(JOB.c.job_id == RUN.c.job_id)
+        .correlate(RUN)
+        .scalar_subquery()
+        .label("queue"),
+    )
+    .distinct()
+    .subquery("claimed")
+)
 _CLAIMED_RUNS = (
-    select(JOB.c.queue, RUN.c.owner, func.count(func.distinct(RUN.c.job_id)).label("jobs"))
-    .select_from(RUN.join(JOB, JOB.c.job_id == RUN.c.job_id))
-    .group_by(JOB.c.queue, RUN.c.owner)
+    select(_CLAIMED.c.queue, _CLAIMED.c.owner, func.count().label("jobs"))
+    .where(_CLAIMED.c.queue.is_not(None))
+    .group_by(_CLAIMED.c.queue, _CLAIMED.c.owner)
 )
 
 
 def claimed_runs() -> Statement:
-    """Per queue and run-record owner: the queued jobs with a run record (the ledger holds
-    one per claimed job, plus those of dead workers until their jobs are claimed again)."""
+    """Per queue and run-record owner: how many queued jobs have a run record."""
     return _CLAIMED_RUNS, {}
 
 
