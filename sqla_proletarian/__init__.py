@@ -1,5 +1,11 @@
 """sqla-proletarian: a durable, transactional job queue for SQLAlchemy applications."""
 
+from sqla_proletarian.aio import (
+    AsyncQueueWorker,
+    create_async_queue_worker,
+    enqueue_async,
+    enqueue_many_async,
+)
 from sqla_proletarian.enqueue import enqueue, enqueue_many
 from sqla_proletarian.errors import (
     ConfigurationError,
@@ -12,7 +18,7 @@ from sqla_proletarian.errors import (
     ProletarianError,
     UnknownJobTypeError,
 )
-from sqla_proletarian.handlers import JobContext, JobHandlers
+from sqla_proletarian.handlers import AsyncJobContext, JobContext, JobHandlers
 from sqla_proletarian.inspection import FailedJob, QueueStatus, failed_jobs, queue_status
 from sqla_proletarian.maintenance import prune_archive, retry_failed
 from sqla_proletarian.models import (
@@ -38,6 +44,8 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_QUEUE",
     "ArchivedJob",
+    "AsyncJobContext",
+    "AsyncQueueWorker",
     "ConfigurationError",
     "FailedJob",
     "InvalidJobError",
@@ -58,9 +66,12 @@ __all__ = [
     "Serializer",
     "UnknownJobTypeError",
     "WorkerOptions",
+    "create_async_queue_worker",
     "create_queue_worker",
     "enqueue",
+    "enqueue_async",
     "enqueue_many",
+    "enqueue_many_async",
     "failed_jobs",
     "include_object",
     "metadata",

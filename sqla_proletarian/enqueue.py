@@ -8,6 +8,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Connection, Engine, event
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, async_scoped_session
 from sqlalchemy.orm import Mapper, Session, scoped_session
 
 from sqla_proletarian import wakeups
@@ -24,10 +25,12 @@ from sqla_proletarian.values import DEFAULT_QUEUE, build_job_values, build_many_
 #: What enqueue() joins: a Session (or a subclass, such as SQLModel's), a scoped_session
 #: (Flask-SQLAlchemy's ``db.session``), or a Connection.
 Transaction = Session | scoped_session[Any] | Connection
+#: What enqueue() joins without awaiting: also an AsyncSession's unit of work.
+SessionOrConnection = Transaction | AsyncSession | async_scoped_session[Any]
 
 
 def enqueue(
-    session_or_connection: Transaction,
+    session_or_connection: SessionOrConnection,
     job_type: str,
     payload: Any = None,
     *,
@@ -41,11 +44,14 @@ def enqueue(
     With a Session the job joins the unit of work (it is flushed with the rest); with a
     Connection it is inserted at once in the connection's transaction. Commit and the job
     will run; roll back and it never existed. A ``scoped_session`` joins the current
-    session of its scope. Further keyword options: ``job_id``, ``serializer``,
-    ``job_id_strategy``, ``clock``.
+    session of its scope. An AsyncSession (or async_scoped_session) is joined the same way,
+    without awaiting: the job is flushed with its next flush or commit. Further keyword
+    options: ``job_id``, ``serializer``, ``job_id_strategy``, ``clock``.
     """
-    if isinstance(session_or_connection, scoped_session):
+    if isinstance(session_or_connection, scoped_session | async_scoped_session):
         session_or_connection = session_or_connection()
+    if isinstance(session_or_connection, AsyncSession):
+        session_or_connection = session_or_connection.sync_session
     if isinstance(session_or_connection, Session):
         _check_session(session_or_connection)
         job = Job(
@@ -133,6 +139,20 @@ def _connection_of(session_or_connection: Transaction, caller: str) -> Connectio
 
 
 def _not_a_transaction(value: object, caller: str) -> NotATransactionError:
+    if isinstance(value, AsyncEngine):
+        awaited = caller.removesuffix("_async") + "_async"
+        return NotATransactionError(
+            f"{caller}() was given an AsyncEngine, which has no transaction to join, so the "
+            "job could not commit or roll back with your data. Pass the AsyncSession or "
+            "AsyncConnection of the transaction the job belongs to (e.g. `async with "
+            f"engine.begin() as conn: await sp.{awaited}(conn, ...)`)."
+        )
+    if isinstance(value, AsyncConnection | AsyncSession):
+        return NotATransactionError(
+            f"{caller}() would have to wait for the database through this "
+            f"{type(value).__name__}, which only an awaited call can do: use "
+            f"`await sp.{caller}_async(...)`"
+        )
     if isinstance(value, Engine):
         return NotATransactionError(
             f"{caller}() was given an Engine, which has no transaction to join, so the job "

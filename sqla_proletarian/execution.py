@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import os
@@ -10,7 +11,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
@@ -125,7 +126,9 @@ def describe(exc: BaseException) -> str:
 class JobRunner:
     """Claims and runs jobs one transaction at a time. Thread-safe; shared by worker threads.
 
-    ``stopping`` says whether the worker is stopping: once it does, no handler starts.
+    ``stopping`` says whether the worker is stopping: once it does, no handler starts. The
+    asyncio worker runs it in greenlets of one thread: it gives locks that let the event
+    loop run while a task waits (``new_lock``), and names its tasks (``unit_name``).
     """
 
     def __init__(
@@ -134,14 +137,18 @@ class JobRunner:
         settings: RunSettings,
         on_outcome: Callable[[Outcome], None] | None = None,
         stopping: Callable[[], bool] | None = None,
+        *,
+        new_lock: Callable[[], AbstractContextManager[Any]] = threading.Lock,
+        unit_name: Callable[[], str] = lambda: threading.current_thread().name,
     ) -> None:
         self.engine = engine
         self.settings = settings
         self.dialect = dialect_of(engine)
         self._on_outcome = on_outcome
         self._stopping = stopping or (lambda: False)
-        self._connect_lock = threading.Lock()
-        self._claim_lock = threading.Lock()
+        self._unit_name = unit_name
+        self._connect_lock = new_lock()
+        self._claim_lock = new_lock()
         self._host = f"{socket.gethostname()}:{os.getpid()}"
         #: Whether runs are recorded (the crash ledger), and on a connection of their own.
         self._tracked = settings.max_unclean_ends is not None
@@ -150,7 +157,7 @@ class JobRunner:
         self._batch_size = 1 if self.dialect.claim_takes_write_lock else settings.batch_size
         #: Where run records this process gave up but could not remove are kept for later.
         self._database = engine.url.render_as_string(hide_password=True)
-        #: The connections of threads whose handler is running, by thread id.
+        #: The connections of threads (or tasks) whose handler is running, by their id.
         self._in_flight: dict[int, WorkerConnections] = {}
 
     def now(self) -> datetime:
@@ -177,7 +184,7 @@ class JobRunner:
             idle_timeout = self.dialect.idle_timeout(conn)
             record = None
             if self._tracked:
-                worker = f"{self.settings.worker_id}@{self._host}/{threading.current_thread().name}"
+                worker = f"{self.settings.worker_id}@{self._host}/{self._unit_name()}"
                 record = ClaimRecords(self.dialect, owner, worker, self.now)
             return WorkerConnections(conn, ledger_conn, record, stack.pop_all(), idle_timeout)
         raise AssertionError("unreachable")  # pragma: no cover
@@ -233,7 +240,7 @@ class JobRunner:
         if self._stopping():
             return False
         conn = connections.conn
-        thread = threading.get_ident()
+        in_flight = id(connections)
         claim: _Claim | None = None
         done: list[tuple[_Claim, Outcome, Failure | None]] = []
         self.dialect.begin_claim(conn)
@@ -242,7 +249,7 @@ class JobRunner:
             if not claims:
                 conn.commit()
                 return False
-            self._in_flight[thread] = connections
+            self._in_flight[in_flight] = connections
             claim = claims[0]
             claims = self._record_claim(connections, claims)
             for claim in claims:
@@ -276,7 +283,7 @@ class JobRunner:
                 return True
             raise
         finally:
-            self._in_flight.pop(thread, None)
+            self._in_flight.pop(in_flight, None)
         for finished, outcome, failure in done:
             self._finished(finished.job, outcome, failure)
         return True
@@ -405,9 +412,9 @@ class JobRunner:
         whether the worker goes on (True) or the exception propagates (False)."""
         conn = connections.conn
         fields = self._fields(claim.job)
-        if isinstance(exc, KeyboardInterrupt):
-            # Interrupted by the operator: the job is left untouched, and its run is not an
-            # unclean end.
+        if isinstance(exc, KeyboardInterrupt | asyncio.CancelledError):
+            # Interrupted by the operator (or the asyncio worker's task cancelled by a stop
+            # past its timeout): the job is left untouched, and its run is not an unclean end.
             self._give_up(connections)
             return False
         if not isinstance(exc, Exception):
@@ -674,7 +681,7 @@ class JobRunner:
     def _fields(self, job: dict[str, Any]) -> dict[str, Any]:
         return {
             "worker_id": self.settings.worker_id,
-            "thread_name": threading.current_thread().name,
+            "thread_name": self._unit_name(),
             "job_id": job["job_id"],
             "job_type": job["job_type"],
             "queue": job["queue"],

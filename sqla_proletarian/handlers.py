@@ -1,4 +1,5 @@
-"""What a handler receives (JobContext) and a dispatch table by job type (JobHandlers)."""
+"""What a handler receives (JobContext; AsyncJobContext in the asyncio worker) and a dispatch
+table by job type (JobHandlers)."""
 
 from __future__ import annotations
 
@@ -7,16 +8,19 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from sqlalchemy import Connection, NestedTransaction, event
-from sqlalchemy.orm import Session, SessionTransaction
+from sqlalchemy import Connection, Engine, NestedTransaction
+from sqlalchemy.orm import Session
 
 from sqla_proletarian.errors import (
     ConfigurationError,
     JobTransactionLostError,
     UnknownJobTypeError,
 )
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncSession
 
 
 class JobSession(Session):
@@ -36,6 +40,20 @@ class JobSession(Session):
         self.job_connection = bind
         #: The worker's savepoint around everything the handler did; None until first use.
         self.handler_savepoint: NestedTransaction | None = None
+        self._closed = False
+
+    def get_bind(self, *args: Any, **kwargs: Any) -> Engine | Connection:
+        """The job's connection. The first time the session is about to use it, the worker's
+        savepoint is opened there, before the session's own: only where the session does
+        I/O anyway (an AsyncSession's ``add()`` in the asyncio worker could not)."""
+        if self.handler_savepoint is None and not self._closed:
+            self.handler_savepoint = self.job_connection.begin_nested()
+        return super().get_bind(*args, **kwargs)
+
+    def close(self) -> None:
+        """Close the session for good (it never opens the worker's savepoint again)."""
+        self._closed = True
+        super().close()
 
     def commit(self) -> None:
         """Flush the handler's writes; they commit with the job's outcome."""
@@ -70,25 +88,9 @@ class JobSession(Session):
                 ) from exc
 
 
-@event.listens_for(JobSession, "after_transaction_create")
-def _open_handler_savepoint(session: Session, transaction: SessionTransaction) -> None:
-    """Open the worker's savepoint before the handler's session begins its first one."""
-    if (
-        isinstance(session, JobSession)
-        and transaction.parent is None
-        and session.handler_savepoint is None
-    ):
-        session.handler_savepoint = session.job_connection.begin_nested()
-
-
 @dataclass(frozen=True)
-class JobContext:
-    """A claimed job, as an advanced-mode handler (and retry strategies) see it.
-
-    ``attempts`` is 1 on the first run. ``session`` is bound to the job's own transaction:
-    what the handler writes through it commits with the job's archive row, or rolls back if
-    the handler raises.
-    """
+class _ClaimedJob:
+    """What every view of a claimed job holds, whatever its session."""
 
     job_id: uuid.UUID
     queue: str
@@ -97,7 +99,29 @@ class JobContext:
     attempts: int
     enqueued_at: datetime
     process_at: datetime
+
+
+@dataclass(frozen=True)
+class JobContext(_ClaimedJob):
+    """A claimed job, as an advanced-mode handler (and retry strategies) see it.
+
+    ``attempts`` is 1 on the first run. ``session`` is bound to the job's own transaction:
+    what the handler writes through it commits with the job's archive row, or rolls back if
+    the handler raises.
+    """
+
     session: Session = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class AsyncJobContext(_ClaimedJob):
+    """A claimed job, as the asyncio worker's advanced-mode handler (and its retry strategy
+    and failed-job handler) see it: a JobContext whose ``session`` is an AsyncSession over
+    the job's own transaction, with the same promise (its writes commit with the job's
+    archive row, or roll back if the handler raises).
+    """
+
+    session: AsyncSession = field(repr=False, compare=False)
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -106,8 +130,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 class JobHandlers:
     """A handler that dispatches on job type, like Proletarian's ``defmulti``.
 
-    Works in both handler modes: registered functions receive exactly what the worker
-    passes, ``(job_type, payload)`` or ``(job)``.
+    Works in both handler modes and in both workers: registered functions receive exactly
+    what the worker passes, ``(job_type, payload)`` or ``(job)``, and return what they
+    return (the asyncio worker awaits a coroutine).
     """
 
     def __init__(self) -> None:
@@ -148,7 +173,7 @@ class JobHandlers:
     def __call__(self, *args: Any) -> Any:
         if len(args) == 2:
             return self.handler_for(args[0])(*args)
-        if len(args) == 1 and isinstance(args[0], JobContext):
+        if len(args) == 1 and isinstance(args[0], _ClaimedJob):
             return self.handler_for(args[0].job_type)(args[0])
         raise TypeError(
             "JobHandlers is called as handler(job_type, payload) or handler(job: JobContext)"

@@ -1,0 +1,652 @@
+"""asyncio: enqueue through an AsyncSession or AsyncConnection, and a queue worker of tasks.
+
+The worker runs the threaded worker's own ``JobRunner`` (claim, handler, outcome, crash
+ledger) on the async engine's ``sync_engine``, each call in a greenlet (``greenlet_spawn``),
+where SQLAlchemy's asyncio drivers run synchronous code; the handler's coroutine is awaited
+there with ``await_only``, inside the job's transaction. This module adds the loop only:
+``concurrency`` tasks, idle waits, backoff after transient errors, a graceful stop, and
+wake-ups (in-process enqueues on every backend; LISTEN through asyncpg or psycopg on
+PostgreSQL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import inspect
+import logging
+import random
+import threading
+import uuid
+from collections.abc import Callable, Iterable
+from datetime import datetime, timedelta
+from typing import Any, cast
+
+from sqlalchemy import Connection
+from sqlalchemy.ext.asyncio import (
+    AsyncConnection,
+    AsyncEngine,
+    AsyncSession,
+    async_scoped_session,
+)
+from sqlalchemy.orm import Session, scoped_session
+from sqlalchemy.util import await_only, greenlet_spawn
+
+from sqla_proletarian import wakeups
+from sqla_proletarian.dialects import dialect_of
+from sqla_proletarian.enqueue import _not_a_transaction, enqueue, enqueue_many
+from sqla_proletarian.errors import (
+    ConfigurationError,
+    NotATransactionError,
+    is_transient,
+    polling_error_hint,
+    transient_hint,
+)
+from sqla_proletarian.execution import JobRunner, Outcome, RunSettings, WorkerConnections
+from sqla_proletarian.handlers import AsyncJobContext, JobContext, JobSession
+from sqla_proletarian.logs import log_event
+from sqla_proletarian.values import DEFAULT_QUEUE
+from sqla_proletarian.worker import WorkerOptions, _check_pool, next_backoff
+
+#: Tasks running jobs at the same time.
+DEFAULT_CONCURRENCY = 1
+#: Seconds a job cancelled by a stop past its timeout has to roll back.
+CANCEL_GRACE = 5.0
+
+#: Options of the threaded worker that make no sense here, with what to do instead.
+_NOT_IN_ASYNCIO = {
+    "worker_threads": "the asyncio worker runs jobs in tasks, not threads: give "
+    "concurrency=N instead of worker_threads",
+    "install_signal_handlers": "the asyncio worker installs no signal handlers: stop it from "
+    "your application's own shutdown (a lifespan, or loop.add_signal_handler calling "
+    "`await worker.stop()`)",
+}
+_ASYNC_CONTEXT = "sqla_proletarian.async_context"
+
+
+# --- enqueue ---------------------------------------------------------------------------------
+
+
+def _sync_of(session_or_connection: object, caller: str) -> Session | Connection:
+    """The sync Session or Connection under an AsyncSession or a started AsyncConnection."""
+    if isinstance(session_or_connection, async_scoped_session):
+        session_or_connection = session_or_connection()
+    if isinstance(session_or_connection, AsyncSession):
+        return session_or_connection.sync_session
+    if isinstance(session_or_connection, AsyncConnection):
+        if session_or_connection.sync_connection is None:
+            raise NotATransactionError(
+                f"{caller}() was given an AsyncConnection that was never started: use "
+                "`async with engine.begin() as conn:` (or `await conn.start()`) first"
+            )
+        return session_or_connection.sync_connection
+    if isinstance(session_or_connection, Session | scoped_session | Connection):
+        name = caller.removesuffix("_async")
+        raise NotATransactionError(
+            f"{caller}() takes an AsyncSession or AsyncConnection; for a "
+            f"{type(session_or_connection).__name__} call sp.{name}() (no await)"
+        )
+    if isinstance(session_or_connection, AsyncEngine):
+        raise _not_a_transaction(session_or_connection, caller)
+    raise NotATransactionError(
+        f"{caller}() needs a sqlalchemy AsyncSession or AsyncConnection, not "
+        f"{type(session_or_connection).__name__}"
+    )
+
+
+async def enqueue_async(
+    session_or_connection: AsyncSession | async_scoped_session[Any] | AsyncConnection,
+    job_type: str,
+    payload: Any = None,
+    *,
+    queue: str = DEFAULT_QUEUE,
+    process_at: datetime | None = None,
+    process_in: timedelta | float | None = None,
+    **options: Any,
+) -> uuid.UUID:
+    """``enqueue()`` for asyncio: add a job to the caller's transaction; its id. Never commits.
+
+    With an AsyncSession the job joins the unit of work (flushed with the rest, as
+    ``sp.enqueue(async_session, ...)`` does); with an AsyncConnection it is inserted at once
+    in the connection's transaction. Same options and validation as ``enqueue()``.
+    """
+    target = _sync_of(session_or_connection, "enqueue_async")
+    return await greenlet_spawn(
+        enqueue,
+        target,
+        job_type,
+        payload,
+        queue=queue,
+        process_at=process_at,
+        process_in=process_in,
+        **options,
+    )
+
+
+async def enqueue_many_async(
+    session_or_connection: AsyncSession | async_scoped_session[Any] | AsyncConnection,
+    jobs: Iterable[tuple[str, Any]],
+    *,
+    queue: str = DEFAULT_QUEUE,
+    process_at: datetime | None = None,
+    process_in: timedelta | float | None = None,
+    **options: Any,
+) -> list[uuid.UUID]:
+    """``enqueue_many()`` for asyncio: validate every job, insert them in the caller's
+    transaction (an AsyncSession's or an AsyncConnection's), return their ids in order.
+    Never commits."""
+    target = _sync_of(session_or_connection, "enqueue_many_async")
+    return await greenlet_spawn(
+        enqueue_many,
+        target,
+        jobs,
+        queue=queue,
+        process_at=process_at,
+        process_in=process_in,
+        **options,
+    )
+
+
+# --- the runner in greenlets ---------------------------------------------------------------
+
+
+class _TaskLock:
+    """The runner's lock where its callers are tasks sharing a thread: a task that waits for
+    it lets the event loop run (a thread lock would block the loop, and its holder)."""
+
+    def __init__(self) -> None:
+        self._lock = asyncio.Lock()
+
+    def __enter__(self) -> None:
+        await_only(self._lock.acquire())
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._lock.release()
+
+
+def _task_name() -> str:
+    """The task running a claim, for logs and run records."""
+    task = asyncio.current_task()
+    return task.get_name() if task is not None else threading.current_thread().name
+
+
+def _settle(result: Any) -> Any:
+    """What a handler or callback returned, awaited if it is awaitable (in the runner's
+    greenlet, so inside the job's transaction)."""
+    if inspect.isawaitable(result):
+        return await_only(result)
+    return result
+
+
+async def _wait(event: asyncio.Event, seconds: float) -> None:
+    """Wait until ``event`` is set or ``seconds`` have passed."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await event.wait()
+
+
+# --- the worker ------------------------------------------------------------------------------
+
+
+class AsyncQueueWorker:
+    """asyncio tasks that work off one queue. Use ``await start()``/``await stop()`` or
+    ``async with worker:``, on one event loop.
+
+    A worker runs once: once stopped (by stop() or by itself) it cannot be started again.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        handler: Callable[..., Any],
+        options: WorkerOptions,
+        concurrency: int = DEFAULT_CONCURRENCY,
+    ) -> None:
+        if not isinstance(engine, AsyncEngine):
+            raise ConfigurationError(
+                f"the asyncio worker needs a sqlalchemy AsyncEngine, not "
+                f"{type(engine).__name__} (for an Engine, use create_queue_worker)"
+            )
+        self.options = options
+        self.concurrency = concurrency
+        self.worker_id: str = options.worker_id or ""
+        self._engine = engine
+        sync_engine = engine.sync_engine
+        dialect_of(sync_engine).check_worker_engine(sync_engine)
+        self._stopping = asyncio.Event()
+        self._runner = JobRunner(
+            sync_engine,
+            self._settings(options.run_settings(handler)),
+            self._count,
+            stopping=self._stopping.is_set,
+            new_lock=_TaskLock,
+            unit_name=_task_name,
+        )
+        _check_pool(sync_engine, self._runner.connections_per_thread, concurrency)
+        self._counts: dict[Outcome, int] = {"succeeded": 0, "retried": 0, "failed": 0}
+        self._wakeup = asyncio.Event()
+        self._stopped = asyncio.Event()
+        #: Short waits left after an in-process wake-up (the enqueue may not be visible yet).
+        self._burst = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._shutdown: asyncio.Task[None] | None = None
+        self._listener: _Listener | None = None
+        self._exception: BaseException | None = None
+
+    def _settings(self, settings: RunSettings) -> RunSettings:
+        """The run settings with the user's functions wrapped: advanced-mode handlers and the
+        callbacks see an AsyncJobContext, and what they return is awaited."""
+        handler = settings.handler
+        strategy = cast(Callable[..., Any] | None, settings.retry_strategy)
+        failed = cast(Callable[..., Any] | None, settings.failed_job_handler)
+        context = self._context
+
+        def run_advanced(job: JobContext) -> Any:
+            return _settle(handler(context(job)))
+
+        def run_default(job_type: str, payload: Any) -> Any:
+            return _settle(handler(job_type, payload))
+
+        def retry_strategy(job: JobContext, exc: Exception) -> Any:
+            assert strategy is not None
+            return _settle(strategy(context(job), exc))
+
+        def failed_job_handler(job: JobContext, exc: Exception) -> Any:
+            assert failed is not None
+            return _settle(failed(context(job), exc))
+
+        return dataclasses.replace(
+            settings,
+            handler=run_advanced if settings.handler_mode == "advanced" else run_default,
+            retry_strategy=retry_strategy if strategy is not None else None,
+            failed_job_handler=failed_job_handler if failed is not None else None,
+        )
+
+    def _context(self, job: JobContext) -> AsyncJobContext:
+        """The AsyncJobContext of a run: its session an AsyncSession over the runner's own
+        JobSession, so the worker's savepoint guards what the handler does through it."""
+        session = job.session
+        assert isinstance(session, JobSession)
+        known = session.info.get(_ASYNC_CONTEXT)
+        if isinstance(known, AsyncJobContext):
+            return known
+        proxy = AsyncSession(
+            AsyncConnection(self._engine, session.job_connection),
+            # AsyncSession proxies what its sync_session_class returns: the job's session.
+            sync_session_class=cast(type[Session], lambda **_: session),
+        )
+        values = {f.name: getattr(job, f.name) for f in dataclasses.fields(job)}
+        values["session"] = proxy
+        context = session.info[_ASYNC_CONTEXT] = AsyncJobContext(**values)
+        return context
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> AsyncQueueWorker:
+        """Start the worker's tasks on the running event loop."""
+        if self._stopping.is_set():
+            raise ConfigurationError(
+                f"worker {self.worker_id} was stopped, and a stopped worker cannot be "
+                "restarted: create a new one with create_async_queue_worker"
+            )
+        if self._tasks:
+            raise ConfigurationError(f"worker {self.worker_id} was started already")
+        self._loop = asyncio.get_running_loop()
+        wakeups.register(self._engine.sync_engine, self.options.queue, self)
+        if not self.options.poll_only and _Listener.supported(self._engine):
+            self._listener = _Listener(self._engine, self.options.queue, self.wake)
+            self._listener.start()
+        log_event(
+            logging.INFO,
+            "queue-worker-starting",
+            worker_id=self.worker_id,
+            queue=self.options.queue,
+            concurrency=self.concurrency,
+        )
+        self._tasks = [
+            asyncio.create_task(self._work(), name=f"{self.worker_id}-{index}")
+            for index in range(self.concurrency)
+        ]
+        return self
+
+    async def stop(self) -> None:
+        """Stop polling, let running jobs finish within the timeout, then call on_shutdown.
+
+        Safe to call again: a caller waits until the stop is complete, except a handler (one
+        of the worker's tasks) or on_shutdown, whose call only asks for the stop. Jobs still
+        running after ``await_termination_timeout`` are cancelled: their transactions roll
+        back and they run again later, without an unclean end.
+        """
+        shutdown = self._begin_shutdown()
+        current = asyncio.current_task()
+        if current is shutdown or current in self._tasks:
+            return
+        await asyncio.shield(shutdown)
+
+    async def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the worker has stopped; True if it has."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._stopped.wait()
+        return self._stopped.is_set()
+
+    def wake(self) -> None:
+        """Make idle tasks poll now instead of after the polling interval (from any thread)."""
+        self._call_soon(self._wakeup.set)
+
+    def wake_for_enqueue(self, committing: bool) -> None:
+        """A job of this worker's queue was enqueued in this process (from any thread) and its
+        transaction is committing: poll now, and a few times shortly after."""
+        self._call_soon(self._woken_by_enqueue, committing)
+
+    def _woken_by_enqueue(self, committing: bool) -> None:
+        if committing:
+            self._burst = len(wakeups.BURST)
+        self._wakeup.set()
+
+    def _call_soon(self, callback: Callable[..., object], *args: Any) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(callback, *args)
+
+    @property
+    def running(self) -> bool:
+        """True from start() until the worker has stopped, by stop() or by itself."""
+        return bool(self._tasks) and not self._stopped.is_set()
+
+    @property
+    def exception(self) -> BaseException | None:
+        """What stopped the worker when it stopped by itself (a polling error that
+        ``on_polling_error`` said to stop on, or the error that ended one of its tasks); None
+        while it runs and after a stop() from outside."""
+        return self._exception
+
+    def summary(self) -> dict[str, int]:
+        """How many jobs this worker has run to each outcome."""
+        return {str(outcome): count for outcome, count in self._counts.items()}
+
+    def summary_text(self) -> str:
+        counts = self.summary()
+        return (
+            f"{counts['succeeded']} succeeded, {counts['retried']} retried, "
+            f"{counts['failed']} failed"
+        )
+
+    async def __aenter__(self) -> AsyncQueueWorker:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    # --- stopping -------------------------------------------------------------------------
+
+    def _begin_shutdown(self) -> asyncio.Task[None]:
+        """The task doing the stop, started by the first call."""
+        self._stopping.set()
+        self._wakeup.set()
+        if self._shutdown is None:
+            self._shutdown = asyncio.get_running_loop().create_task(
+                self._shut_down(), name=f"{self.worker_id}-stopper"
+            )
+        return self._shutdown
+
+    async def _shut_down(self) -> None:
+        """The stop itself, done once: wait for the tasks, call on_shutdown, let go."""
+        try:
+            log_event(logging.INFO, "shutting-down", worker_id=self.worker_id)
+            wakeups.unregister(self._engine.sync_engine, self.options.queue, self)
+            if self._listener is not None:
+                await self._listener.stop()
+            pending = {task for task in self._tasks if not task.done()}
+            if pending:
+                _, pending = await asyncio.wait(
+                    pending, timeout=self.options.await_termination_timeout
+                )
+            if pending:
+                await self._cancel(pending)
+            await self._call_user("on_shutdown", self.options.on_shutdown)
+            log_event(
+                logging.INFO, "completed-shutdown", worker_id=self.worker_id, **self.summary()
+            )
+        finally:
+            self._stopped.set()
+
+    async def _cancel(self, pending: set[asyncio.Task[None]]) -> None:
+        """Cancel the jobs still running after the timeout: each rolls back and runs again."""
+        log_event(
+            logging.WARNING,
+            "queue-worker-shutdown-timeout",
+            worker_id=self.worker_id,
+            tasks=",".join(sorted(task.get_name() for task in pending)),
+            hint="jobs still running were cancelled: their transactions roll back and they "
+            "will run again",
+        )
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=CANCEL_GRACE)
+        if pending:
+            # A handler that ignores its cancellation: at least its run is no unclean end.
+            await greenlet_spawn(self._runner.abandon_in_flight)
+
+    async def _call_user(self, name: str, callback: Callable[..., object] | None) -> None:
+        if callback is None:
+            return
+        try:
+            result = callback()
+            if inspect.isawaitable(result):
+                await result
+        except Exception as exc:
+            log_event(
+                logging.ERROR,
+                "queue-worker-shutdown-error",
+                worker_id=self.worker_id,
+                error=repr(exc),
+            )
+
+    def _stop_itself(self, exc: BaseException) -> None:
+        """Stop the worker because of ``exc``."""
+        if self._exception is None and not self._stopping.is_set():
+            self._exception = exc
+        self._begin_shutdown()
+
+    # --- the tasks ------------------------------------------------------------------------
+
+    def _count(self, outcome: Outcome) -> None:
+        self._counts[outcome] += 1
+
+    async def _work(self) -> None:
+        """A worker task. Whatever ends it before a stop stops the whole worker."""
+        try:
+            await self._poll()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            with contextlib.suppress(Exception):  # the logging may be what failed
+                log_event(
+                    logging.ERROR, "job-worker-error", worker_id=self.worker_id, error=repr(exc)
+                )
+            self._stop_itself(exc)
+
+    async def _poll(self) -> None:
+        """Claim and run jobs until the worker stops, holding the task's connections."""
+        runner = self._runner
+        backoff = 0.0
+        connections: WorkerConnections | None = None
+        try:
+            while not self._stopping.is_set():
+                try:
+                    if connections is None:
+                        connections = await greenlet_spawn(runner.open_connections)
+                    ran = await greenlet_spawn(runner.process_one, connections)
+                    backoff = 0.0
+                except Exception as exc:
+                    if connections is not None:
+                        await greenlet_spawn(connections.close)
+                        connections = None
+                    if is_transient(exc):
+                        backoff = next_backoff(backoff)
+                        log_event(
+                            logging.WARNING,
+                            "transient-polling-error",
+                            worker_id=self.worker_id,
+                            error=repr(exc),
+                            retry_in=round(backoff, 3),
+                            hint=transient_hint(exc),
+                        )
+                        await _wait(self._stopping, backoff * random.uniform(0.5, 1.0))
+                        continue
+                    if await self._polling_error(exc):
+                        self._stop_itself(exc)
+                        return
+                    await self._idle()
+                    continue
+                if not ran:
+                    await self._idle()
+        finally:
+            if connections is not None:
+                await greenlet_spawn(connections.close)
+
+    async def _idle(self) -> None:
+        """Pause after the queue is drained; wake() or stop() ends the pause early."""
+        burst = self._burst
+        if burst:
+            self._burst = burst - 1
+            pause = wakeups.BURST[len(wakeups.BURST) - burst]
+        else:
+            pause = self.options.polling_interval
+        await _wait(self._wakeup, pause)
+        if not self._stopping.is_set():
+            self._wakeup.clear()
+
+    async def _polling_error(self, exc: Exception) -> bool:
+        """Hand a non-transient polling error to on_polling_error; True means stop."""
+        log_event(
+            logging.ERROR,
+            "polling-error",
+            worker_id=self.worker_id,
+            error=repr(exc),
+            hint=polling_error_hint(exc),
+        )
+        try:
+            result = self.options.on_polling_error(exc)
+            if inspect.isawaitable(result):
+                result = await result
+            return bool(result)
+        except Exception as error:
+            log_event(
+                logging.ERROR,
+                "polling-error-handler-error",
+                worker_id=self.worker_id,
+                error=repr(error),
+            )
+            return True
+
+
+class _Listener:
+    """A task that LISTENs on PostgreSQL through the engine's own asyncio driver (asyncpg's
+    ``add_listener``, or psycopg's ``notifies()``), on a connection of its own outside the
+    pool, and wakes the worker when its queue gets a job. Reconnects after errors, backing
+    off up to 5 s; a job committed while it was not listening is found by the next poll.
+    """
+
+    def __init__(self, engine: AsyncEngine, queue: str, wake: Callable[[], None]) -> None:
+        self.engine = engine
+        self.queue = queue
+        self.wake = wake
+        self._task: asyncio.Task[None] | None = None
+
+    @staticmethod
+    def supported(engine: AsyncEngine) -> bool:
+        dialect = engine.sync_engine.dialect
+        return dialect.name == "postgresql" and dialect.driver in ("asyncpg", "psycopg")
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"{self.queue}-listener")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait({self._task})
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while True:
+            try:
+                await self._listen()
+            except Exception as exc:
+                log_event(logging.WARNING, "listen-error", queue=self.queue, error=repr(exc))
+                await asyncio.sleep(backoff)
+                backoff = min(5.0, backoff * 2)
+
+    async def _listen(self) -> None:
+        raw = await greenlet_spawn(self.engine.sync_engine.raw_connection)
+        driver: Any = raw.driver_connection
+        raw.detach()  # the worker's own, not counted against the pool
+        try:
+            if self.engine.sync_engine.dialect.driver == "asyncpg":
+                await self._listen_asyncpg(driver)
+            else:
+                await driver.set_autocommit(True)
+                await driver.execute(f"LISTEN {wakeups.CHANNEL}")
+                async for note in driver.notifies():
+                    if note.payload == self.queue:
+                        self.wake()
+        finally:
+            with contextlib.suppress(Exception):
+                await driver.close()
+
+    async def _listen_asyncpg(self, driver: Any) -> None:
+        lost = asyncio.Event()
+
+        def notified(conn: object, pid: int, channel: str, payload: str) -> None:
+            if payload == self.queue:
+                self.wake()
+
+        driver.add_termination_listener(lambda conn: lost.set())
+        await driver.add_listener(wakeups.CHANNEL, notified)
+        await lost.wait()
+        raise ConnectionError("the LISTEN connection was closed")
+
+
+def _check_concurrency(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(
+            f"concurrency is {value!r}; give a whole number >= 1 (the tasks running jobs at "
+            "the same time)"
+        )
+    return value
+
+
+def create_async_queue_worker(
+    engine: AsyncEngine,
+    handler: Callable[..., Any],
+    *,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    **options: Any,
+) -> AsyncQueueWorker:
+    """An AsyncQueueWorker for ``engine`` that runs ``handler``; ``await worker.start()``.
+
+    ``handler`` is an ``async def`` (or a plain function, called in the event loop's thread,
+    so it must not block): ``handler(job_type, payload)``, or with ``handler_mode="advanced"``
+    ``handler(job)`` with an AsyncJobContext. ``concurrency`` tasks run jobs at the same
+    time. The other options are the threaded worker's (see create_queue_worker), but for
+    ``worker_threads`` and ``install_signal_handlers``; ``retry_strategy``,
+    ``failed_job_handler``, ``on_polling_error`` and ``on_shutdown`` may be ``async def``.
+    """
+    for name, advice in _NOT_IN_ASYNCIO.items():
+        if name in options:
+            raise ConfigurationError(f"{name}: {advice}")
+    known = set(WorkerOptions.__dataclass_fields__) - set(_NOT_IN_ASYNCIO)
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ConfigurationError(
+            f"unknown worker option(s) {', '.join(unknown)}; "
+            f"the options are {', '.join(sorted(known | {'concurrency'}))}"
+        )
+    return AsyncQueueWorker(
+        engine, handler, WorkerOptions(**options), _check_concurrency(concurrency)
+    )
