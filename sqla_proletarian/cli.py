@@ -397,8 +397,6 @@ _TIMES = ("enqueued_at", "process_at", "finished_at")
 def retry(args: argparse.Namespace) -> int:
     if bool(args.job_ids) == bool(args.all):
         raise UsageError("give the JOB_IDs to put back, or --all for every failure (not both)")
-    if args.job_ids and (args.queue or args.job_type):
-        raise UsageError("--queue and --job-type narrow --all; with JOB_IDs leave them out")
     job_ids = None if args.all else _uuids(args.job_ids)
     with _database(args) as engine:
         count = retry_failed(engine, job_ids, queue=args.queue, job_type=args.job_type)
@@ -483,8 +481,8 @@ FAILED_ARGUMENTS = (
 RETRY_ARGUMENTS = (
     arg("job_ids", metavar="JOB_ID", nargs="*", help="archived failures"),
     arg("--all", action="store_true", help="every archived failure"),
-    arg("--queue", help="with --all: only this queue"),
-    arg("--job-type", help="with --all: only this job type"),
+    arg("--queue", help="only failures of this queue"),
+    arg("--job-type", help="only failures of this job type"),
 )
 PRUNE_ARGUMENTS = (
     arg("--older-than", required=True, metavar="DURATION", help="30d, 12h, 90m, 45s, ..."),
