@@ -242,3 +242,41 @@ def test_runner_failure_names_page_and_line(tmp_path: Path) -> None:
         with pytest.raises(pytest.fail.Exception) as failed:
             run_page(page, workdir, text)
         assert where in str(failed.value) and why in str(failed.value), str(failed.value)
+
+
+LINK = re.compile(r"\[[^\]]*\]\((?P<target>[^)\s]+)\)")
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The anchors a Markdown renderer gives a page's headings (GitHub's slugs)."""
+    anchors = set()
+    in_code = False
+    for line in text.splitlines():
+        if FENCE.match(line):
+            in_code = not in_code
+        elif not in_code and line.startswith("#"):
+            title = line.lstrip("#").strip().lower().replace("`", "")
+            anchors.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return anchors
+
+
+def test_links_between_pages_resolve() -> None:
+    """Every relative link of a docs page names a file that exists, and a heading of it."""
+    broken = []
+    for page in PAGES:
+        for found in LINK.finditer(page.read_text()):
+            target = found["target"]
+            if re.match(r"[a-z]+:", target):
+                continue  # https:, mailto:
+            path, _, anchor = target.partition("#")
+            resolved = (page.parent / path).resolve() if path else page
+            where = f"{page.relative_to(ROOT)}: ({target})"
+            if not resolved.exists():
+                broken.append(f"{where}: no such file")
+            elif (
+                anchor
+                and resolved.suffix == ".md"
+                and anchor not in heading_anchors(resolved.read_text())
+            ):
+                broken.append(f"{where}: no heading #{anchor} there")
+    assert not broken, "broken links:\n" + "\n".join(broken)
