@@ -579,20 +579,30 @@ class _Parser(argparse.ArgumentParser):
     """argparse, with usage errors in one line."""
 
     def error(self, message: str) -> NoReturn:
-        _error(self.prog.removeprefix(f"{PROG} ") or None, f"{message} (see {self.prog} --help)")
+        command = None if self.prog == PROG else self.prog.removeprefix(f"{PROG} ")
+        _error(command, f"{message} (see {self.prog} --help)")
         raise SystemExit(EXIT_USAGE)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    common = _Parser(add_help=False)
-    common.add_argument(
-        "--url", help="the database URL (default: the DATABASE_URL environment variable)"
+def _add_common_arguments(parser: argparse.ArgumentParser, default: object) -> None:
+    """``--url`` and ``--log-level``, taken before the command or after it."""
+    parser.add_argument(
+        "--url",
+        default=default,
+        help="the database URL (default: the DATABASE_URL environment variable)",
     )
-    common.add_argument(
+    parser.add_argument(
         "--log-level",
+        default=default,
         choices=("debug", "info", "warning", "error"),
         help="the library's log level (worker: info; other commands: warning)",
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # After the command the options only override what was given before it.
+    common = _Parser(add_help=False)
+    _add_common_arguments(common, argparse.SUPPRESS)
     parser = _Parser(
         prog=PROG,
         description="A durable job queue in your SQLAlchemy database: commands.",
@@ -601,6 +611,7 @@ def build_parser() -> argparse.ArgumentParser:
         + f"\n\n`{PROG} COMMAND --help` tells more.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _add_common_arguments(parser, None)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in COMMANDS:
         sub = subparsers.add_parser(

@@ -184,3 +184,16 @@ def test_bad_input_gets_one_line_and_a_non_zero_status(tmp_path: Path) -> None:
     no_url = cli("status", DATABASE_URL="")
     assert "DATABASE_URL" in assert_one_line_error(no_url, 2)
     assert sa.inspect(sa.create_engine(url)).get_table_names() == []
+
+
+def test_the_url_and_log_level_may_come_before_the_command(database: Database) -> None:
+    """``sqla-proletarian --url URL status`` works like ``status --url URL``; an option after
+    the command wins over the same option before it; an unknown command is one line."""
+    url = url_of(database)
+    before = cli("--url", url, "status", "--json")
+    assert before.returncode == 0, before.stderr
+    assert before.stdout == cli("status", "--json", "--url", url).stdout
+    overridden = cli("--url", "sqlite:///nowhere/none.db", "status", "--json", "--url", url)
+    assert overridden.returncode == 0, overridden.stderr
+    unknown = assert_one_line_error(cli("--url", url, "frobnicate"), 2)
+    assert unknown.startswith("sqla-proletarian: error: argument COMMAND: invalid choice")
