@@ -39,6 +39,7 @@ from sqla_proletarian.enqueue import _not_a_transaction, enqueue, enqueue_many
 from sqla_proletarian.errors import (
     ConfigurationError,
     NotATransactionError,
+    ProletarianError,
     is_transient,
     polling_error_hint,
     transient_hint,
@@ -173,10 +174,23 @@ def _task_name() -> str:
 
 def _settle(result: Any) -> Any:
     """What a handler or callback returned, awaited if it is awaitable (in the runner's
-    greenlet, so inside the job's transaction)."""
-    if inspect.isawaitable(result):
+    greenlet, so inside the job's transaction).
+
+    A CancelledError that is not the cancellation of the worker's task (a stop past its
+    timeout) is the function's own failure: it must not end the task.
+    """
+    if not inspect.isawaitable(result):
+        return result
+    try:
         return await_only(result)
-    return result
+    except asyncio.CancelledError as exc:
+        task = asyncio.current_task()
+        if task is None or task.cancelling():
+            raise
+        raise ProletarianError(
+            "CancelledError was raised, but the worker's stop did not cancel the job (a task "
+            "or future the function awaited was cancelled): catch it where that is expected"
+        ) from exc
 
 
 async def _wait(event: asyncio.Event, seconds: float) -> None:
@@ -239,30 +253,29 @@ class AsyncQueueWorker:
         """The run settings with the user's functions wrapped: advanced-mode handlers and the
         callbacks see an AsyncJobContext, and what they return is awaited."""
         handler = settings.handler
-        strategy = cast(Callable[..., Any] | None, settings.retry_strategy)
-        failed = cast(Callable[..., Any] | None, settings.failed_job_handler)
-        context = self._context
 
         def run_advanced(job: JobContext) -> Any:
-            return _settle(handler(context(job)))
+            return _settle(handler(self._context(job)))
 
         def run_default(job_type: str, payload: Any) -> Any:
             return _settle(handler(job_type, payload))
 
-        def retry_strategy(job: JobContext, exc: Exception) -> Any:
-            assert strategy is not None
-            return _settle(strategy(context(job), exc))
-
-        def failed_job_handler(job: JobContext, exc: Exception) -> Any:
-            assert failed is not None
-            return _settle(failed(context(job), exc))
-
         return dataclasses.replace(
             settings,
             handler=run_advanced if settings.handler_mode == "advanced" else run_default,
-            retry_strategy=retry_strategy if strategy is not None else None,
-            failed_job_handler=failed_job_handler if failed is not None else None,
+            retry_strategy=self._callback(settings.retry_strategy),
+            failed_job_handler=self._callback(settings.failed_job_handler),
         )
+
+    def _callback(self, function: Callable[..., Any] | None) -> Callable[..., Any] | None:
+        """A retry strategy or failed-job handler, called with the run's AsyncJobContext."""
+        if function is None:
+            return None
+
+        def call(job: JobContext, exc: Exception) -> Any:
+            return _settle(function(self._context(job), exc))
+
+        return call
 
     def _context(self, job: JobContext) -> AsyncJobContext:
         """The AsyncJobContext of a run: its session an AsyncSession over the runner's own
@@ -408,7 +421,7 @@ class AsyncQueueWorker:
                 )
             if pending:
                 await self._cancel(pending)
-            await self._call_user("on_shutdown", self.options.on_shutdown)
+            await self._on_shutdown()
             log_event(
                 logging.INFO, "completed-shutdown", worker_id=self.worker_id, **self.summary()
             )
@@ -432,11 +445,11 @@ class AsyncQueueWorker:
             # A handler that ignores its cancellation: at least its run is no unclean end.
             await greenlet_spawn(self._runner.abandon_in_flight)
 
-    async def _call_user(self, name: str, callback: Callable[..., object] | None) -> None:
-        if callback is None:
+    async def _on_shutdown(self) -> None:
+        if self.options.on_shutdown is None:
             return
         try:
-            result = callback()
+            result = self.options.on_shutdown()
             if inspect.isawaitable(result):
                 await result
         except Exception as exc:

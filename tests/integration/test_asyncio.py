@@ -272,7 +272,11 @@ def test_async_worker_runs_jobs_in_concurrent_tasks_and_no_job_twice(
     async def main() -> sp.AsyncQueueWorker:
         async with async_engine(async_url) as engine:
             worker = sp.create_async_queue_worker(
-                engine, handler, concurrency=3, handler_mode="advanced", polling_interval=0.05
+                engine,
+                handler,
+                concurrency=3,
+                handler_mode="advanced",
+                polling_interval=0.05,
             )
             async with worker:
                 assert worker.running
@@ -340,7 +344,8 @@ def test_job_handlers_dispatch_to_async_and_plain_functions_in_default_mode(
     async_url: URL, sync_engine: sa.Engine
 ) -> None:
     """An async def is awaited, a plain function called; an async generator's body never runs
-    and its job fails saying so."""
+    and its job fails saying so, and so does a handler that raises a CancelledError of its
+    own (the worker's task goes on)."""
     handlers = sp.JobHandlers()
     calls: list[tuple[str, Any]] = []
 
@@ -358,6 +363,13 @@ def test_job_handlers_dispatch_to_async_and_plain_functions_in_default_mode(
         calls.append((job_type, payload))
         yield
 
+    @handlers.register("cancelled")
+    async def run_cancelled(job_type: str, payload: Any) -> None:
+        waiting = asyncio.get_running_loop().create_future()
+        waiting.cancel()
+        await waiting
+
+    cancelled = enqueue_committed(sync_engine, "cancelled", 0)
     ids = [enqueue_committed(sync_engine, t, n) for n, t in enumerate(("async", "plain"))]
     generator = enqueue_committed(sync_engine, "generator", 2)
 
@@ -366,10 +378,13 @@ def test_job_handlers_dispatch_to_async_and_plain_functions_in_default_mode(
             async_engine(async_url) as engine,
             sp.create_async_queue_worker(engine, handlers, polling_interval=0.05),
         ):
-            assert await eventually(lambda: count(sync_engine, sp.ArchivedJob) == 3)
+            assert await eventually(lambda: count(sync_engine, sp.ArchivedJob) == 4)
 
     asyncio.run(main())
     assert calls == [("async", 0), ("plain", 1)]
+    failed_alone = archived_job(sync_engine, cancelled)
+    assert failed_alone is not None and failed_alone.status == "failure"
+    assert "did not cancel the job" in (failed_alone.error or "")
     assert {archived_job(sync_engine, i).status for i in ids} == {"success"}  # type: ignore[union-attr]
     failed = archived_job(sync_engine, generator)
     assert failed is not None and failed.status == "failure" and "generator" in (failed.error or "")
@@ -577,10 +592,11 @@ _PG_PAIRS = [pair for pair in _PAIRS if pair[0] == "postgresql"]
     ids=[driver for _, driver in _PG_PAIRS],
 )
 def test_postgresql_async_workers_listen_through_their_driver_and_wake_on_notify(
-    async_url: URL, sync_engine: sa.Engine
+    async_url: URL, database: Database
 ) -> None:
-    """asyncpg (add_listener) and psycopg (notifies()): a job committed by another engine
-    (no in-process wake-up) starts at once through NOTIFY."""
+    """asyncpg (add_listener) and psycopg (notifies()): a job committed through psycopg2,
+    another driver and so another URL (no in-process wake-up), starts at once by NOTIFY."""
+    other_engine = sa.create_engine(database.url.set(drivername="postgresql+psycopg2"))
 
     async def main() -> float:
         started = asyncio.Event()
@@ -593,12 +609,15 @@ def test_postgresql_async_workers_listen_through_their_driver_and_wake_on_notify
             sp.create_async_queue_worker(engine, handler, polling_interval=SLOW_POLLING),
         ):
             await asyncio.sleep(0.5)  # listening, and idle after the first poll
-            await asyncio.to_thread(enqueue_committed, sync_engine, "t")
+            await asyncio.to_thread(enqueue_committed, other_engine, "t")
             began = time.monotonic()
             await asyncio.wait_for(started.wait(), 5)
             return time.monotonic() - began
 
-    assert asyncio.run(main()) < 1.0
+    try:
+        assert asyncio.run(main()) < 1.0
+    finally:
+        other_engine.dispose()
 
 
 def test_a_polling_error_stops_the_async_worker_by_itself_unless_on_polling_error_goes_on(
