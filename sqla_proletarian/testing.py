@@ -72,6 +72,15 @@ def drain(
     checked and ignored) and raises database errors. After ``max_runs`` runs, a further due
     job raises ``DrainLimitError`` and stays queued as it was.
     """
+    if hasattr(engine, "sync_engine") or (
+        isinstance(engine, Engine) and getattr(engine.dialect, "is_async", False)
+    ):
+        raise ConfigurationError(
+            "drain() runs jobs in the calling thread, through a synchronous driver: give it "
+            "an Engine from sqlalchemy.create_engine on the same database (e.g. sqlite:// "
+            "for sqlite+aiosqlite://, postgresql+psycopg:// for asyncpg) with plain-function "
+            "handlers; async handlers run in the asyncio worker"
+        )
     if not isinstance(engine, Engine):
         raise ConfigurationError(
             f"drain() needs the sqlalchemy Engine the jobs are in, not {type(engine).__name__}: "

@@ -7,12 +7,14 @@ import json
 import textwrap
 import uuid
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from conftest import Database
 from helpers import T0, FakeClock, archived, archived_job, count, enqueue_committed, run_records
+from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import Session
 
 import sqla_proletarian as sp
@@ -145,6 +147,13 @@ def test_drain_refuses_what_it_cannot_run(engine: sa.Engine) -> None:
         drain(engine, _noop, polling=1)
     with pytest.raises(sp.ConfigurationError, match="handler"):
         drain(engine, "not a function")  # type: ignore[arg-type]
+
+
+def test_drain_refuses_an_async_engine_saying_what_to_give_instead(tmp_path: Path) -> None:
+    async_engine = create_async_engine(f"sqlite+aiosqlite:///{tmp_path / 'jobs.db'}")
+    for bind in (async_engine, async_engine.sync_engine):
+        with pytest.raises(sp.ConfigurationError, match="create_engine on the same database"):
+            drain(bind, _noop)  # type: ignore[arg-type]
 
 
 # --- enqueued_jobs -------------------------------------------------------------------------
