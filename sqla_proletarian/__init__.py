@@ -1,11 +1,7 @@
 """sqla-proletarian: a durable, transactional job queue for SQLAlchemy applications."""
 
-from sqla_proletarian.aio import (
-    AsyncQueueWorker,
-    create_async_queue_worker,
-    enqueue_async,
-    enqueue_many_async,
-)
+from typing import TYPE_CHECKING, Any
+
 from sqla_proletarian.enqueue import enqueue, enqueue_many
 from sqla_proletarian.errors import (
     ConfigurationError,
@@ -38,6 +34,28 @@ from sqla_proletarian.worker import (
     create_queue_worker,
     process_next_job,
 )
+
+if TYPE_CHECKING:
+    from sqla_proletarian.aio import (
+        AsyncQueueWorker,
+        create_async_queue_worker,
+        enqueue_async,
+        enqueue_many_async,
+    )
+
+#: Imported on first use: the asyncio module needs greenlet (``pip install -e '.[asyncio]'``).
+_ASYNCIO_NAMES = frozenset(
+    {"AsyncQueueWorker", "create_async_queue_worker", "enqueue_async", "enqueue_many_async"}
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _ASYNCIO_NAMES:
+        from sqla_proletarian import aio
+
+        return getattr(aio, name)
+    raise AttributeError(f"module 'sqla_proletarian' has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 

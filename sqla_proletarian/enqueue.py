@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 import uuid
 from collections.abc import Iterable
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from sqlalchemy import Connection, Engine, event
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, async_scoped_session
 from sqlalchemy.orm import Mapper, Session, scoped_session
 
 from sqla_proletarian import wakeups
@@ -25,8 +25,12 @@ from sqla_proletarian.values import DEFAULT_QUEUE, build_job_values, build_many_
 #: What enqueue() joins: a Session (or a subclass, such as SQLModel's), a scoped_session
 #: (Flask-SQLAlchemy's ``db.session``), or a Connection.
 Transaction = Session | scoped_session[Any] | Connection
-#: What enqueue() joins without awaiting: also an AsyncSession's unit of work.
-SessionOrConnection = Transaction | AsyncSession | async_scoped_session[Any]
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncSession, async_scoped_session
+
+    #: What enqueue() joins without awaiting: also an AsyncSession's unit of work.
+    SessionOrConnection = Transaction | AsyncSession | async_scoped_session[Any]
 
 
 def enqueue(
@@ -48,10 +52,9 @@ def enqueue(
     without awaiting: the job is flushed with its next flush or commit. Further keyword
     options: ``job_id``, ``serializer``, ``job_id_strategy``, ``clock``.
     """
-    if isinstance(session_or_connection, scoped_session | async_scoped_session):
+    session_or_connection = _sync_session_of(session_or_connection)
+    if isinstance(session_or_connection, scoped_session):
         session_or_connection = session_or_connection()
-    if isinstance(session_or_connection, AsyncSession):
-        session_or_connection = session_or_connection.sync_session
     if isinstance(session_or_connection, Session):
         _check_session(session_or_connection)
         job = Job(
@@ -138,8 +141,26 @@ def _connection_of(session_or_connection: Transaction, caller: str) -> Connectio
     raise _not_a_transaction(session_or_connection, caller)
 
 
+def _asyncio_ext() -> Any:
+    """SQLAlchemy's asyncio extension if it is imported, else None: it needs greenlet, and
+    until it is imported no object can be an AsyncSession, AsyncConnection or AsyncEngine."""
+    return sys.modules.get("sqlalchemy.ext.asyncio")
+
+
+def _sync_session_of(value: SessionOrConnection) -> Transaction:
+    """The sync Session of an AsyncSession (or async_scoped_session); anything else as is."""
+    ext = _asyncio_ext()
+    if ext is not None:
+        if isinstance(value, ext.async_scoped_session):
+            value = value()
+        if isinstance(value, ext.AsyncSession):
+            return cast("Session", value.sync_session)
+    return cast("Transaction", value)
+
+
 def _not_a_transaction(value: object, caller: str) -> NotATransactionError:
-    if isinstance(value, AsyncEngine):
+    ext = _asyncio_ext()
+    if ext is not None and isinstance(value, ext.AsyncEngine):
         awaited = caller.removesuffix("_async") + "_async"
         return NotATransactionError(
             f"{caller}() was given an AsyncEngine, which has no transaction to join, so the "
@@ -147,7 +168,7 @@ def _not_a_transaction(value: object, caller: str) -> NotATransactionError:
             "AsyncConnection of the transaction the job belongs to (e.g. `async with "
             f"engine.begin() as conn: await sp.{awaited}(conn, ...)`)."
         )
-    if isinstance(value, AsyncConnection | AsyncSession):
+    if ext is not None and isinstance(value, ext.AsyncConnection | ext.AsyncSession):
         return NotATransactionError(
             f"{caller}() would have to wait for the database through this "
             f"{type(value).__name__}, which only an awaited call can do: use "

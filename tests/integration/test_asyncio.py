@@ -9,6 +9,8 @@ import asyncio
 import contextlib
 import logging
 import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -654,3 +656,30 @@ def test_a_polling_error_stops_the_async_worker_by_itself_unless_on_polling_erro
             assert tolerant.exception is None
 
     asyncio.run(main())
+
+
+def test_the_package_works_without_greenlet_until_its_asyncio_names_are_used() -> None:
+    """SQLAlchemy 2.1 installs no greenlet by default: the threaded library must not need it,
+    and the asyncio names say what to install."""
+    program = """
+import sys
+sys.modules["greenlet"] = None  # as if it were not installed
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+import sqla_proletarian as sp
+engine = sa.create_engine("sqlite://")
+sp.metadata.create_all(engine)
+with Session(engine) as session:
+    sp.enqueue(session, "t")
+    session.commit()
+assert sp.process_next_job(engine, lambda job_type, payload: None)
+try:
+    sp.create_async_queue_worker
+except ImportError as exc:
+    print(exc)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "greenlet" in done.stdout
