@@ -498,6 +498,30 @@ def test_stop_waits_for_a_running_job_then_calls_an_async_on_shutdown_once(
     assert done is not None and (done.status, done.attempts) == ("success", 1)
 
 
+def test_a_handler_that_stops_its_worker_finishes_its_job_and_no_other_starts(
+    async_url: URL, sync_engine: sa.Engine
+) -> None:
+    """stop() from a handler only asks for the stop (awaiting it there would wait forever for
+    the handler itself); the job is archived, the next one stays queued."""
+    first, second = (enqueue_committed(sync_engine, "t", n) for n in range(2))
+    workers: list[sp.AsyncQueueWorker] = []
+
+    async def handler(job_type: str, payload: Any) -> None:
+        await workers[0].stop()
+
+    async def main() -> None:
+        async with async_engine(async_url) as engine:
+            workers.append(sp.create_async_queue_worker(engine, handler, polling_interval=0.05))
+            await workers[0].start()
+            assert await workers[0].wait(10), "the worker stopped"
+
+    asyncio.run(main())
+    done = archived_job(sync_engine, first)
+    assert done is not None and done.status == "success"
+    assert [job.job_id for job in jobs(sync_engine)] == [second]
+    assert workers[0].exception is None and not workers[0].running
+
+
 def test_stop_past_the_termination_timeout_cancels_the_job_which_runs_again_not_charged(
     async_url: URL, sync_engine: sa.Engine, caplog: pytest.LogCaptureFixture
 ) -> None:
