@@ -252,7 +252,9 @@ class Scheduler:
         dialect.begin_claim(conn)
         try:
             names = [str(job.name) for job, _ in due]
-            records: dict[str, datetime] = dict(conn.execute(*sql.schedules(names)).tuples().all())
+            records: dict[str, datetime] = {
+                name: last for name, last in conn.execute(*sql.schedules(names))
+            }
             for job, occurrence in due:
                 name = str(job.name)
                 last = records.get(name)

@@ -19,7 +19,7 @@ import threading
 import uuid
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy import Connection, Executable, Transaction
 from sqlalchemy import exc as sa_exc
@@ -52,18 +52,28 @@ def enqueue_unique(conn: Connection, values: dict[str, Any]) -> uuid.UUID:
     queue, key = values["queue"], values["unique_key"]
     statement = sql.insert_job_or_nothing(values, dialect.insert_or_nothing)
     for _ in range(MAX_INSERT_ATTEMPTS):
-        if insert_or_nothing(conn, dialect, statement, UNIQUE_KEY_INDEX):
+        outcome, failure = _insert(conn, dialect, statement, UNIQUE_KEY_INDEX)
+        if outcome == "inserted":
             wakeups.enqueued(conn, {queue})
             job_id: uuid.UUID = values["job_id"]
             return job_id
-        holder = _key_holder(conn, dialect, queue, key)
+        holder = _key_holder(conn, dialect, queue, key, seen=outcome == "held")
         if holder is not None:
             return holder
+        if failure is not None:
+            # No holder after all: the serialization failure had another cause (SERIALIZABLE's
+            # read/write dependencies), which only a retry of the whole transaction cures.
+            raise failure
     raise ProletarianError(
         f"the job holding unique_key {key!r} in queue {queue!r} left the queue "
         f"{MAX_INSERT_ATTEMPTS} times between an insert and the read of its id; nothing was "
         "added: enqueue again"
     )
+
+
+#: What an insert-or-nothing did: added its row; met a row holding its key; or met one that
+#: the transaction's snapshot cannot see (committed by another transaction after it began).
+Outcome = Literal["inserted", "held", "held_unseen"]
 
 
 def insert_or_nothing(
@@ -74,40 +84,51 @@ def insert_or_nothing(
 ) -> bool:
     """Run an insert-or-nothing statement of ``dialect``'s form; True if it added its row,
     False if the unique index ``key`` holds the row's key already."""
+    outcome, _ = _insert(conn, dialect, statement, key)
+    return outcome == "inserted"
+
+
+def _insert(
+    conn: Connection, dialect: Dialect, statement: tuple[Executable, Any], key: str
+) -> tuple[Outcome, Exception | None]:
+    """What the insert did, and the error that told where the server fails instead."""
     form = dialect.insert_or_nothing
     if form == "mysql_duplicate_key_error":
         try:
             conn.execute(*statement)
         except sa_exc.IntegrityError as exc:
             if is_duplicate_key(exc, key):
-                return False
+                return "held", None
             raise
-        return True
+        return "inserted", None
     if form == "savepoint":
         return _in_savepoint(conn, statement, lambda exc: isinstance(exc, sa_exc.IntegrityError))
     if dialect.snapshot_conflict_fails and _snapshot(conn):
-        return _in_savepoint(conn, statement, is_serialization_failure)
-    return bool(conn.execute(*statement).rowcount == 1)
+        # The server fails where the holder is not the transaction's own and its snapshot
+        # cannot see it: reading it there would fail again (SERIALIZABLE).
+        outcome, failure = _in_savepoint(conn, statement, is_serialization_failure)
+        return ("held_unseen", failure) if failure is not None else (outcome, None)
+    return ("inserted" if conn.execute(*statement).rowcount == 1 else "held"), None
 
 
 def _in_savepoint(
     conn: Connection, statement: tuple[Executable, Any], held: Callable[[Exception], bool]
-) -> bool:
+) -> tuple[Outcome, Exception | None]:
     """The insert in a savepoint: an error that ``held`` says means "the key is held" undoes
-    the insert only."""
+    the insert only (and is returned); so does a conflict that adds no row."""
     savepoint = conn.begin_nested()
     try:
         inserted = conn.execute(*statement).rowcount == 1
     except sa_exc.DBAPIError as exc:
         savepoint.rollback()
         if held(exc):
-            return False
+            return "held", exc
         raise
     except BaseException:
         savepoint.rollback()
         raise
     savepoint.commit()
-    return bool(inserted)
+    return ("inserted" if inserted else "held"), None
 
 
 def _snapshot(conn: Connection) -> bool:
@@ -126,10 +147,15 @@ def _snapshot(conn: Connection) -> bool:
     return snapshot
 
 
-def _key_holder(conn: Connection, dialect: Dialect, queue: str, key: str) -> uuid.UUID | None:
-    """The id of the job holding ``key``: as the caller's transaction sees it, else (a
-    snapshot older than the holder's commit) as committed now; None if it has left."""
-    holder: uuid.UUID | None = conn.execute(*sql.key_holder(queue, key)).scalar()
+def _key_holder(
+    conn: Connection, dialect: Dialect, queue: str, key: str, *, seen: bool
+) -> uuid.UUID | None:
+    """The id of the job holding ``key``: as the caller's transaction sees it (unless it
+    cannot, ``seen=False``), else (a snapshot older than the holder's commit) as committed
+    now; None if it has left."""
+    holder: uuid.UUID | None = None
+    if seen:
+        holder = conn.execute(*sql.key_holder(queue, key)).scalar()
     if holder is not None or dialect.claim_takes_write_lock:
         # SQLite: a writer reads the newest data already.
         return holder
