@@ -5,12 +5,12 @@ holds is not added, and the holder's id is returned), and so do periodic schedul
 paused queues. How a server adds nothing is the dialect's ``insert_or_nothing`` form.
 
 Two transactions racing on one key do not both add a row: the second insert waits for the
-first transaction and then meets its row (or, if it rolled back, inserts). Two snapshots
-need care. A PostgreSQL REPEATABLE READ or SERIALIZABLE transaction fails (serialization
-failure) where its insert meets a key committed after its snapshot: there the insert runs in
-a savepoint, so the failure undoes the insert only and means "the key is held". And a
-snapshot cannot see that holder (PostgreSQL's, and MySQL's default REPEATABLE READ): its id
-is then read as committed now, on a connection of its own.
+first transaction and then meets its row (or, if it rolled back, inserts). Snapshots need
+care twice. A PostgreSQL REPEATABLE READ or SERIALIZABLE transaction fails (serialization
+failure) where its insert meets a key committed after its snapshot: at those levels the
+insert runs in a savepoint, so the failure undoes the insert only and means "the key is
+held". And a snapshot cannot see that holder (PostgreSQL's, and MySQL's default REPEATABLE
+READ): its id is then read as committed now, on a connection of its own.
 """
 
 from __future__ import annotations
