@@ -2,6 +2,7 @@
 
 from typing import TYPE_CHECKING, Any
 
+from sqla_proletarian.control import cancel_job, pause_queue, paused_queues, resume_queue
 from sqla_proletarian.enqueue import enqueue, enqueue_many
 from sqla_proletarian.errors import (
     ConfigurationError,
@@ -25,9 +26,10 @@ from sqla_proletarian.models import (
     include_object,
     metadata,
 )
+from sqla_proletarian.periodic import PeriodicJob
 from sqla_proletarian.retry import RetryStrategy
 from sqla_proletarian.serialization import JsonSerializer, Serializer
-from sqla_proletarian.values import utc_now, uuid4, uuid7
+from sqla_proletarian.values import MAX_PRIORITY, MIN_PRIORITY, utc_now, uuid4, uuid7
 from sqla_proletarian.worker import (
     QueueWorker,
     WorkerOptions,
@@ -61,6 +63,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_QUEUE",
+    "MAX_PRIORITY",
+    "MIN_PRIORITY",
     "ArchivedJob",
     "AsyncJobContext",
     "AsyncQueueWorker",
@@ -77,6 +81,7 @@ __all__ = [
     "NotATransactionError",
     "PayloadDeserializationError",
     "PayloadSerializationError",
+    "PeriodicJob",
     "ProletarianError",
     "QueueStatus",
     "QueueWorker",
@@ -84,6 +89,7 @@ __all__ = [
     "Serializer",
     "UnknownJobTypeError",
     "WorkerOptions",
+    "cancel_job",
     "create_async_queue_worker",
     "create_queue_worker",
     "enqueue",
@@ -93,9 +99,12 @@ __all__ = [
     "failed_jobs",
     "include_object",
     "metadata",
+    "pause_queue",
+    "paused_queues",
     "process_next_job",
     "prune_archive",
     "queue_status",
+    "resume_queue",
     "retry_failed",
     "utc_now",
     "uuid4",

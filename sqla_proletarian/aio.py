@@ -48,7 +48,7 @@ from sqla_proletarian.execution import JobRunner, Outcome, RunSettings, WorkerCo
 from sqla_proletarian.handlers import AsyncJobContext, JobContext, JobSession
 from sqla_proletarian.logs import log_event
 from sqla_proletarian.values import DEFAULT_QUEUE
-from sqla_proletarian.worker import WorkerOptions, _check_pool, next_backoff
+from sqla_proletarian.worker import WorkerOptions, _check_pool, next_backoff, scheduler_for
 
 #: Tasks running jobs at the same time.
 DEFAULT_CONCURRENCY = 1
@@ -238,6 +238,7 @@ class AsyncQueueWorker:
             unit_name=_task_name,
         )
         _check_pool(sync_engine, self._runner.connections_per_thread, concurrency)
+        self._scheduler = scheduler_for(self._runner.dialect, options)
         self._counts: dict[Outcome, int] = {"succeeded": 0, "retried": 0, "failed": 0}
         self._wakeup = asyncio.Event()
         self._stopped = asyncio.Event()
@@ -494,6 +495,8 @@ class AsyncQueueWorker:
                 try:
                     if connections is None:
                         connections = await greenlet_spawn(runner.open_connections)
+                    if self._scheduler is not None:
+                        await greenlet_spawn(self._scheduler.tick, connections.conn)
                     ran = await greenlet_spawn(runner.process_one, connections)
                     backoff = 0.0
                 except Exception as exc:

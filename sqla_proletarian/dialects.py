@@ -28,6 +28,15 @@ ArchiveUpsert = Literal[
     "postgresql_on_conflict", "sqlite_on_conflict", "mysql_on_duplicate_key", "none"
 ]
 
+#: How an insert that meets a row holding the same unique key (a job's ``unique_key``, a
+#: schedule's or a paused queue's name) adds nothing instead of failing: ``ON CONFLICT (key)
+#: DO NOTHING``; a plain INSERT whose duplicate-key error names the key and undoes that
+#: statement only, never the transaction (MySQL, MariaDB: no INSERT IGNORE, which would turn
+#: other errors into warnings); or a plain INSERT in a savepoint.
+InsertOrNothing = Literal[
+    "postgresql_on_conflict", "sqlite_on_conflict", "mysql_duplicate_key_error", "savepoint"
+]
+
 
 @dataclass(frozen=True)
 class Dialect:
@@ -52,6 +61,13 @@ class Dialect:
     #: Whether many jobs are enqueued with one ``INSERT ... SELECT unnest(...)`` (PostgreSQL
     #: arrays) rather than an executemany (which PyMySQL sends as multi-row INSERTs).
     bulk_insert_unnest: bool = False
+    insert_or_nothing: InsertOrNothing = "savepoint"
+    #: Whether a REPEATABLE READ or SERIALIZABLE transaction whose insert meets a key that
+    #: was committed after its snapshot fails (PostgreSQL: a serialization failure, which
+    #: would abort the caller's transaction) instead of adding nothing.
+    snapshot_conflict_fails: bool = False
+    #: Whether a transaction can NOTIFY the workers' channel (sent at its commit).
+    notifies: bool = False
 
     @contextmanager
     def claim_connection(self, engine: Engine) -> Iterator[Connection]:
@@ -161,6 +177,7 @@ _MYSQL = {
     "separate_ledger": True,
     "owner_lock": "named",
     "archive_upsert": "mysql_on_duplicate_key",
+    "insert_or_nothing": "mysql_duplicate_key_error",
 }
 DIALECTS: dict[str, Dialect] = {
     "postgresql": Dialect(
@@ -175,6 +192,9 @@ DIALECTS: dict[str, Dialect] = {
         ledger_reset=("RESET synchronous_commit",),
         deletes_runs_with_job=True,
         bulk_insert_unnest=True,
+        insert_or_nothing="postgresql_on_conflict",
+        snapshot_conflict_fails=True,
+        notifies=True,
     ),
     "mysql": Dialect("mysql", **_MYSQL),  # type: ignore[arg-type]
     "mariadb": Dialect("mariadb", **_MYSQL),  # type: ignore[arg-type]
@@ -185,6 +205,7 @@ DIALECTS: dict[str, Dialect] = {
         separate_ledger=False,
         owner_lock="process",
         archive_upsert="sqlite_on_conflict",
+        insert_or_nothing="sqlite_on_conflict",
     ),
 }
 

@@ -20,7 +20,13 @@ from sqla_proletarian.errors import (
 )
 from sqla_proletarian.models import Job
 from sqla_proletarian.statements import insert_job, insert_jobs
-from sqla_proletarian.values import DEFAULT_QUEUE, build_job_values, build_many_job_values
+from sqla_proletarian.unique import enqueue_unique
+from sqla_proletarian.values import (
+    DEFAULT_PRIORITY,
+    DEFAULT_QUEUE,
+    build_job_values,
+    build_many_job_values,
+)
 
 #: What enqueue() joins: a Session (or a subclass, such as SQLModel's), a scoped_session
 #: (Flask-SQLAlchemy's ``db.session``), or a Connection.
@@ -41,6 +47,8 @@ def enqueue(
     queue: str = DEFAULT_QUEUE,
     process_at: datetime | None = None,
     process_in: timedelta | float | None = None,
+    priority: int = DEFAULT_PRIORITY,
+    unique_key: str | None = None,
     **options: Any,
 ) -> uuid.UUID:
     """Add a job to the caller's transaction and return its id. Never commits.
@@ -49,10 +57,36 @@ def enqueue(
     Connection it is inserted at once in the connection's transaction. Commit and the job
     will run; roll back and it never existed. A ``scoped_session`` joins the current
     session of its scope. An AsyncSession (or async_scoped_session) is joined the same way,
-    without awaiting: the job is flushed with its next flush or commit. Further keyword
-    options: ``job_id``, ``serializer``, ``job_id_strategy``, ``clock``.
+    without awaiting: the job is flushed with its next flush or commit. ``priority``
+    (``MIN_PRIORITY`` to ``MAX_PRIORITY``, default 0): higher runs first.
+
+    ``unique_key``: while a job of the queue holding that key is queued or running, nothing
+    is added and that job's id is returned; the key is free again once the job is archived,
+    or when the transaction that took it rolls back. Such a job is inserted at once, also
+    with a Session (through its connection, in its transaction; with an AsyncSession use
+    ``await sp.enqueue_async(...)``). Further keyword options: ``job_id``, ``serializer``,
+    ``job_id_strategy``, ``clock``.
     """
+    given = session_or_connection
     session_or_connection = _sync_session_of(session_or_connection)
+    if unique_key is not None:
+        if session_or_connection is not given and not isinstance(given, Session):
+            raise NotATransactionError(
+                "enqueue() with a unique_key inserts the job at once, which an AsyncSession "
+                "can only do in an awaited call: use `await sp.enqueue_async(session, ..., "
+                "unique_key=...)`"
+            )
+        values = build_job_values(
+            job_type,
+            payload,
+            queue=queue,
+            process_at=process_at,
+            process_in=process_in,
+            priority=priority,
+            unique_key=unique_key,
+            **options,
+        )
+        return enqueue_unique(_connection_of(session_or_connection, "enqueue"), values)
     if isinstance(session_or_connection, scoped_session):
         session_or_connection = session_or_connection()
     if isinstance(session_or_connection, Session):
@@ -63,6 +97,7 @@ def enqueue(
             queue=queue,
             process_at=process_at,
             process_in=process_in,
+            priority=priority,
             **options,
         )
         session_or_connection.add(job)
@@ -75,6 +110,7 @@ def enqueue(
             queue=queue,
             process_at=process_at,
             process_in=process_in,
+            priority=priority,
             **options,
         )
         session_or_connection.execute(*insert_job(values))
@@ -90,35 +126,48 @@ ENQUEUE_MANY_CHUNK = 1000
 
 def enqueue_many(
     session_or_connection: Transaction,
-    jobs: Iterable[tuple[str, Any]],
+    jobs: Iterable[tuple[str, Any] | tuple[str, Any, str | None]],
     *,
     queue: str = DEFAULT_QUEUE,
     process_at: datetime | None = None,
     process_in: timedelta | float | None = None,
+    priority: int = DEFAULT_PRIORITY,
     **options: Any,
 ) -> list[uuid.UUID]:
-    """Add many jobs, ``(job_type, payload)`` pairs, to the caller's transaction; their ids
-    in order. Never commits.
+    """Add many jobs, ``(job_type, payload)`` pairs or ``(job_type, payload, unique_key)``
+    triples, to the caller's transaction; their ids in order. Never commits.
 
     Every job is validated before anything is written: a bad one raises ``InvalidJobError``
     naming its index, and nothing is written. The rows go in one statement per 1,000 jobs,
-    through the Session's connection in its transaction, or the Connection's. Further
-    keyword options, for every job: ``serializer``, ``job_id_strategy``, ``clock``.
+    through the Session's connection in its transaction, or the Connection's. A job with a
+    unique key goes in with a statement of its own, as ``enqueue()`` would add it: where a
+    job of the queue holds its key (one queued earlier, or one before it in ``jobs``), its id
+    is that job's. Further keyword options, for every job: ``serializer``,
+    ``job_id_strategy``, ``clock``.
     """
     if "job_id" in options:
         raise InvalidJobError(
             "job_id", "enqueue_many() makes one id per job; give job_id_strategy instead"
         )
     rows = build_many_job_values(
-        jobs, queue=queue, process_at=process_at, process_in=process_in, **options
+        jobs,
+        queue=queue,
+        process_at=process_at,
+        process_in=process_in,
+        priority=priority,
+        **options,
     )
     connection = _connection_of(session_or_connection, "enqueue_many")
     unnest = dialect_of(connection).bulk_insert_unnest
-    for start in range(0, len(rows), ENQUEUE_MANY_CHUNK):
-        connection.execute(*insert_jobs(rows[start : start + ENQUEUE_MANY_CHUNK], unnest=unnest))
-    if rows:
+    plain = [row for row in rows if row["unique_key"] is None]
+    for start in range(0, len(plain), ENQUEUE_MANY_CHUNK):
+        connection.execute(*insert_jobs(plain[start : start + ENQUEUE_MANY_CHUNK], unnest=unnest))
+    if plain:
         wakeups.enqueued(connection, {queue})
-    return [row["job_id"] for row in rows]
+    return [
+        row["job_id"] if row["unique_key"] is None else enqueue_unique(connection, row)
+        for row in rows
+    ]
 
 
 @event.listens_for(Job, "after_insert")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from sqlalchemy import exc as sa_exc
@@ -130,6 +131,8 @@ MYSQL_TRANSIENT_ERRNOS = frozenset(
     | {4031, 1158, 1159, 1160, 1161, 2002, 2003, 2006, 2013, 2055}
 )
 MYSQL_LOCK_CONFLICT_ERRNOS = frozenset({1205, 1213})
+#: MySQL/MariaDB's duplicate-key error; it undoes its statement, not the transaction.
+MYSQL_DUPLICATE_KEY_ERRNO = 1062
 
 
 def driver_error(exc: BaseException) -> BaseException | None:
@@ -174,6 +177,21 @@ def is_lock_conflict(exc: BaseException) -> bool:
         sqlstate(orig) in PG_LOCK_CONFLICT_SQLSTATES
         or mysql_errno(orig) in MYSQL_LOCK_CONFLICT_ERRNOS
     )
+
+
+def is_duplicate_key(exc: BaseException, key: str) -> bool:
+    """A MySQL-family duplicate-key error on the unique index ``key`` (``PRIMARY`` for a
+    primary key); MySQL 8 names it ``table.key``, MariaDB ``key``."""
+    orig = driver_error(exc)
+    if orig is None or mysql_errno(orig) != MYSQL_DUPLICATE_KEY_ERRNO:
+        return False
+    return re.search(rf"for key '(?:[^']*\.)?{re.escape(key)}'", str(orig)) is not None
+
+
+def is_serialization_failure(exc: BaseException) -> bool:
+    """PostgreSQL's serialization failure (SQLSTATE 40001)."""
+    orig = driver_error(exc)
+    return orig is not None and sqlstate(orig) == "40001"
 
 
 def is_transient(exc: BaseException) -> bool:

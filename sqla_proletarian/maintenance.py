@@ -44,7 +44,7 @@ DEFAULT_PRUNE_BATCH_SIZE = 1000
 #: and each id is a bound parameter of the delete.
 MAX_PRUNE_BATCH_SIZE = 10_000
 
-_STATUSES = ("success", "failure")
+_STATUSES = ("success", "failure", "cancelled")
 
 
 def prune_archive(
@@ -57,11 +57,11 @@ def prune_archive(
 ) -> int:
     """Delete the archived jobs that finished more than ``older_than`` ago; return how many.
 
-    ``status`` ("success" or "failure") narrows it to jobs that ended that way. Rows go in
-    transactions of at most ``batch_size`` that each commit on their own, oldest first, until
-    a batch comes back short; workers archive meanwhile without waiting. A job archived again
-    since its batch was read (its id enqueued anew) is kept. If a batch fails, the batches
-    before it stay deleted: call it again. Logs ``archive-pruned`` with the count.
+    ``status`` ("success", "failure" or "cancelled") narrows it to jobs that ended that way.
+    Rows go in transactions of at most ``batch_size`` that each commit on their own, oldest
+    first, until a batch comes back short; workers archive meanwhile without waiting. A job
+    archived again since its batch was read (its id enqueued anew) is kept. If a batch fails,
+    the batches before it stay deleted: call it again. Logs ``archive-pruned`` with the count.
     """
     _check_engine(engine)
     _check_older_than(older_than)
@@ -126,8 +126,8 @@ def _check_older_than(older_than: object) -> None:
 def _check_status(status: object) -> None:
     if status is not None and status not in _STATUSES:
         raise ConfigurationError(
-            f"status={status!r}: give 'success' or 'failure' to delete only the jobs that "
-            "ended that way, or None (the default) for both"
+            f"status={status!r}: give 'success' or 'failure' (or 'cancelled') to delete only "
+            "the jobs that ended that way, or None (the default) for all"
         )
 
 

@@ -14,23 +14,47 @@ from sqlalchemy import (
     Index,
     Integer,
     MetaData,
+    SmallInteger,
     String,
     Table,
     Text,
     Uuid,
     event,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.schema import SchemaItem
 
+from sqla_proletarian.errors import InvalidJobError
 from sqla_proletarian.types import UTCDateTime, name_type, payload_type
-from sqla_proletarian.values import DEFAULT_QUEUE, build_job_values
+from sqla_proletarian.values import DEFAULT_PRIORITY, DEFAULT_QUEUE, build_job_values
 
-__all__ = ["DEFAULT_QUEUE", "ArchivedJob", "Base", "Job", "JobRun", "include_object", "metadata"]
+__all__ = [
+    "DEFAULT_QUEUE",
+    "ArchivedJob",
+    "Base",
+    "Job",
+    "JobRun",
+    "PausedQueue",
+    "PeriodicSchedule",
+    "include_object",
+    "metadata",
+]
 
 JOB_TABLE = "proletarian_job"
 ARCHIVED_JOB_TABLE = "proletarian_archived_job"
 JOB_RUN_TABLE = "proletarian_job_run"
+PERIODIC_TABLE = "proletarian_periodic"
+PAUSED_QUEUE_TABLE = "proletarian_paused_queue"
+#: The unique index that lets one queued job hold a ``unique_key`` in its queue.
+UNIQUE_KEY_INDEX = "ix_proletarian_job_unique_key"
+
+# Why ``run_order``: a job's priority (higher runs first) is stored negated, so that the poll
+# reads the index (queue, run_order, process_at, seq) in ascending order on every server, as
+# it reads due times. A descending key part would do on PostgreSQL, SQLite, MySQL 8 and
+# MariaDB 10.8+, but MariaDB before 10.8 ignores DESC (the poll would sort, and lock every
+# due row it sorts), and MySQL's and SQLite's reflection drops it (autogenerate would see a
+# difference). ``Job.priority`` and ``ArchivedJob.priority`` read it back.
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -43,7 +67,7 @@ NAMING_CONVENTION = {
 #: The library's MetaData: point Alembic autogenerate at it, or create the tables with it.
 metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
-Status = Literal["success", "failure"]
+Status = Literal["success", "failure", "cancelled"]
 
 _MYSQL_TABLE_ARGS = {"mysql_engine": "InnoDB", "mysql_charset": "utf8mb4"}
 
@@ -83,7 +107,12 @@ class Job(Base):
         Column("process_at", UTCDateTime(), nullable=False),
         # W3C trace context of the enqueuing code (JSON), when OpenTelemetry is installed.
         Column("trace_context", Text(), nullable=True),
-        Index("ix_proletarian_job_poll", "queue", "process_at", "seq"),
+        # The job's priority negated (see above): the poll reads it in index order.
+        Column("run_order", SmallInteger(), nullable=False, server_default=text("0")),
+        # Held by one queued (or running) job of the queue at a time; NULL for most jobs.
+        Column("unique_key", name_type(), nullable=True),
+        Index("ix_proletarian_job_poll", "queue", "run_order", "process_at", "seq"),
+        Index(UNIQUE_KEY_INDEX, "queue", "unique_key", unique=True),
         mysql_engine=_MYSQL_TABLE_ARGS["mysql_engine"],
         mysql_charset=_MYSQL_TABLE_ARGS["mysql_charset"],
     )
@@ -97,6 +126,8 @@ class Job(Base):
     enqueued_at: Mapped[datetime]
     process_at: Mapped[datetime]
     trace_context: Mapped[str | None]
+    run_order: Mapped[int]
+    unique_key: Mapped[str | None]
 
     def __init__(
         self,
@@ -106,21 +137,37 @@ class Job(Base):
         queue: str = DEFAULT_QUEUE,
         process_at: datetime | None = None,
         process_in: timedelta | float | None = None,
+        priority: int = DEFAULT_PRIORITY,
         **options: Any,
     ) -> None:
         """Validate and fill a job exactly as ``enqueue()`` does; a bad job fails here.
 
         Further keyword options: ``job_id``, ``serializer``, ``job_id_strategy``, ``clock``.
+        A ``unique_key`` is refused: a flush could not hand back the id of the job holding
+        the key, so such jobs go through ``sp.enqueue(session, ..., unique_key=...)``.
         """
+        if options.get("unique_key") is not None:
+            raise InvalidJobError(
+                "unique_key",
+                "a Job added to a Session cannot return the id of the job that already holds "
+                "its key; enqueue it with sp.enqueue(session, job_type, payload, "
+                "unique_key=...), which inserts at once and returns that id",
+            )
         values = build_job_values(
             job_type,
             payload,
             queue=queue,
             process_at=process_at,
             process_in=process_in,
+            priority=priority,
             **options,
         )
         super().__init__(**values)
+
+    @property
+    def priority(self) -> int:
+        """Higher runs first (stored negated as ``run_order``)."""
+        return -self.run_order
 
     def __repr__(self) -> str:
         return f"<Job {self.job_id} {self.job_type!r} queue={self.queue!r}>"
@@ -159,7 +206,8 @@ _enqueue_notifications_ddl()
 
 
 class ArchivedJob(Base):
-    """A finished job: ``status`` is ``"success"`` or ``"failure"``; ``attempts`` counts runs."""
+    """A finished job: ``status`` is ``"success"``, ``"failure"`` or ``"cancelled"`` (taken out
+    of the queue by ``cancel_job`` before it ran again); ``attempts`` counts runs."""
 
     __tablename__ = ARCHIVED_JOB_TABLE
     __table_args__ = (
@@ -177,6 +225,13 @@ class ArchivedJob(Base):
     status: Mapped[str] = mapped_column(String(16))
     finished_at: Mapped[datetime] = mapped_column(UTCDateTime())
     error: Mapped[str | None] = mapped_column(Text(), nullable=True)
+    #: The job's priority negated, as in the queue (a job put back from here keeps it).
+    run_order: Mapped[int] = mapped_column(SmallInteger(), server_default=text("0"))
+
+    @property
+    def priority(self) -> int:
+        """The job's priority (stored negated as ``run_order``)."""
+        return -self.run_order
 
     def __repr__(self) -> str:
         return f"<ArchivedJob {self.job_id} {self.job_type!r} {self.status}>"
@@ -202,6 +257,28 @@ class JobRun(Base):
     #: One of a batch's records: its job ran in a claim of several, so a crash then is
     #: not charged to it; it runs alone next (see ``sqla_proletarian.ledger``).
     batched: Mapped[bool | None] = mapped_column(Boolean(), nullable=True)
+
+
+class PeriodicSchedule(Base):
+    """How far a periodic job's schedule has been enqueued: the worker that moves
+    ``last_occurrence`` on (a compare-and-set update) enqueues that occurrence, in the same
+    transaction, so each occurrence is enqueued once however many workers run."""
+
+    __tablename__ = PERIODIC_TABLE
+    __table_args__ = (_MYSQL_TABLE_ARGS,)
+
+    name: Mapped[str] = mapped_column(name_type(), primary_key=True)
+    last_occurrence: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class PausedQueue(Base):
+    """A queue whose workers claim nothing until it is resumed (``pause_queue``)."""
+
+    __tablename__ = PAUSED_QUEUE_TABLE
+    __table_args__ = (_MYSQL_TABLE_ARGS,)
+
+    queue: Mapped[str] = mapped_column(name_type(), primary_key=True)
+    paused_at: Mapped[datetime] = mapped_column(UTCDateTime())
 
 
 LIBRARY_TABLES = frozenset(metadata.tables)

@@ -40,12 +40,15 @@ from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.elements import BindParameter
 
-from sqla_proletarian.dialects import ArchiveUpsert, OwnerLock
-from sqla_proletarian.models import ArchivedJob, Job, JobRun
+from sqla_proletarian.dialects import ArchiveUpsert, InsertOrNothing, OwnerLock
+from sqla_proletarian.models import ArchivedJob, Job, JobRun, PausedQueue, PeriodicSchedule
+from sqla_proletarian.wakeups import CHANNEL
 
 JOB = Job.__table__
 ARCHIVE = cast(Table, ArchivedJob.__table__)
 RUN = cast(Table, JobRun.__table__)
+PERIODIC = cast(Table, PeriodicSchedule.__table__)
+PAUSED = cast(Table, PausedQueue.__table__)
 
 #: The columns a claimed job is read with, in order.
 JOB_COLUMNS = (
@@ -57,6 +60,7 @@ JOB_COLUMNS = (
     JOB.c.enqueued_at,
     JOB.c.process_at,
     JOB.c.trace_context,
+    JOB.c.run_order,
 )
 
 
@@ -73,20 +77,25 @@ _RUNS = (
 )
 
 
+#: Whether the queue is paused: one primary-key lookup, evaluated once per poll.
+_PAUSED = select(PAUSED.c.queue).where(PAUSED.c.queue == bindparam("queue")).exists()
+
+
 @cache
 def _poll(limit: int, with_runs: bool) -> Select[Any]:
     columns = (*JOB_COLUMNS, _RUNS) if with_runs else JOB_COLUMNS
     return (
         select(*columns)
-        .where(JOB.c.queue == bindparam("queue"), JOB.c.process_at <= bindparam("now"))
-        .order_by(JOB.c.process_at, JOB.c.seq)
+        .where(JOB.c.queue == bindparam("queue"), JOB.c.process_at <= bindparam("now"), ~_PAUSED)
+        .order_by(JOB.c.run_order, JOB.c.process_at, JOB.c.seq)
         .limit(limit)
         .with_for_update(skip_locked=True)
     )
 
 
 def poll(queue: str, now: datetime, limit: int = 1, *, with_runs: bool = False) -> Statement:
-    """Claim up to ``limit`` due jobs of a queue, oldest first, skipping locked ones.
+    """Claim up to ``limit`` due jobs of a queue unless it is paused, highest priority first,
+    then oldest first, skipping locked ones.
 
     ``with_runs`` adds ``runs``: the job's run records, for counting unclean ends.
     """
@@ -106,6 +115,34 @@ _KEPT_COLUMNS = tuple(name for name in ENQUEUED_COLUMNS if name in ARCHIVE.c)
 def insert_job(values: dict[str, Any]) -> Statement:
     """Enqueue one job (the caller's transaction commits it)."""
     return _INSERT_JOB, values
+
+
+@cache
+def _insert_or_nothing(table: Table, key: tuple[str, ...], form: InsertOrNothing) -> Executable:
+    module = {"postgresql_on_conflict": postgresql, "sqlite_on_conflict": sqlite}.get(form)
+    if module is None:
+        return insert(table).inline()
+    columns = [table.c[name] for name in key]
+    return cast(
+        Executable, module.insert(table).inline().on_conflict_do_nothing(index_elements=columns)
+    )
+
+
+def insert_job_or_nothing(values: dict[str, Any], form: InsertOrNothing) -> Statement:
+    """Enqueue one job with a unique key, unless a job of its queue holds the key: then
+    nothing is added (row count 0) or, where the form is a plain INSERT, the duplicate-key
+    error says so."""
+    return _insert_or_nothing(JOB, ("queue", "unique_key"), form), values
+
+
+_KEY_HOLDER = select(JOB.c.job_id).where(
+    JOB.c.queue == bindparam("queue"), JOB.c.unique_key == bindparam("unique_key")
+)
+
+
+def key_holder(queue: str, unique_key: str) -> Statement:
+    """The id of the queued (or running) job holding a unique key in its queue."""
+    return _KEY_HOLDER, {"queue": queue, "unique_key": unique_key}
 
 
 @cache
@@ -142,6 +179,11 @@ def relock(job_id: uuid.UUID) -> Statement:
     return _RELOCK, {"job_id": job_id}
 
 
+def lock_queued_job(job_id: uuid.UUID) -> Statement:
+    """Lock a queued job by id to cancel it, skipping it if a worker is running it."""
+    return _RELOCK, {"job_id": job_id}
+
+
 #: The archive columns an outcome replaces when the job id is archived already.
 _ARCHIVE_REPLACED = (*_KEPT_COLUMNS[1:], "status", "finished_at", "error")
 
@@ -169,6 +211,7 @@ def archive(
         "attempts": attempts,
         "enqueued_at": job["enqueued_at"],
         "process_at": job["process_at"],
+        "run_order": job["run_order"],
         "status": status,
         "finished_at": finished_at,
         "error": error,
@@ -212,6 +255,7 @@ def _as_archived(columns: Any) -> Select[Any]:
         columns.attempts + 1,
         columns.enqueued_at,
         columns.process_at,
+        columns.run_order,
         literal("success", String(16)),
         bindparam("now", type_=ARCHIVE.c.finished_at.type),
         null(),
@@ -394,6 +438,70 @@ def release_owner(kind: OwnerLock, owner: str) -> Statement:
 def owner_gone(kind: OwnerLock, owner: str) -> Statement:
     """Whether the owner's lock is free, i.e. the session that held it has ended."""
     return _FREE[kind], _owner_params(kind, owner)
+
+
+# --- periodic jobs: each schedule's last enqueued occurrence --------------------------------
+
+_SCHEDULES = select(PERIODIC.c.name, PERIODIC.c.last_occurrence).where(
+    PERIODIC.c.name.in_(bindparam("names", expanding=True))
+)
+
+
+def schedules(names: list[str]) -> Statement:
+    """The last enqueued occurrence of each named schedule that has a record."""
+    return _SCHEDULES, {"names": names}
+
+
+def start_schedule(name: str, occurrence: datetime, form: InsertOrNothing) -> Statement:
+    """Record a schedule seen for the first time, unless another worker just did."""
+    statement = _insert_or_nothing(PERIODIC, ("name",), form)
+    return statement, {"name": name, "last_occurrence": occurrence}
+
+
+_ADVANCE_SCHEDULE = (
+    update(PERIODIC)
+    .where(PERIODIC.c.name == bindparam("key"), PERIODIC.c.last_occurrence < bindparam("due"))
+    .values(last_occurrence=bindparam("due"))
+)
+
+
+def advance_schedule(name: str, occurrence: datetime) -> Statement:
+    """Compare-and-set: move a schedule on to ``occurrence`` unless it is there already (row
+    count 0: another worker enqueued it). It never moves back, whatever a clock says."""
+    return _ADVANCE_SCHEDULE, {"key": name, "due": occurrence}
+
+
+# --- pausing queues -------------------------------------------------------------------------
+
+
+def pause_queue(queue: str, now: datetime, form: InsertOrNothing) -> Statement:
+    """Mark a queue paused, unless it is paused already."""
+    statement = _insert_or_nothing(PAUSED, ("queue",), form)
+    return statement, {"queue": queue, "paused_at": now}
+
+
+_RESUME_QUEUE = delete(PAUSED).where(PAUSED.c.queue == bindparam("queue"))
+
+
+def resume_queue(queue: str) -> Statement:
+    """Let a paused queue's workers claim again."""
+    return _RESUME_QUEUE, {"queue": queue}
+
+
+_PAUSED_QUEUES = select(PAUSED.c.queue)
+
+
+def paused_queues() -> Statement:
+    """Every paused queue."""
+    return _PAUSED_QUEUES, {}
+
+
+_NOTIFY = select(func.pg_notify(literal(CHANNEL), bindparam("queue", type_=String)))
+
+
+def notify_queue(queue: str) -> Statement:
+    """PostgreSQL: wake the queue's listening workers when the transaction commits."""
+    return _NOTIFY, {"queue": queue}
 
 
 # --- archive housekeeping ---
@@ -659,13 +767,14 @@ def failures_to_retry(
     return statement, params
 
 
-#: What a job put back in the queue is made of: its archived identity, attempts from zero,
-#: enqueued and due now.
+#: What a job put back in the queue is made of: its archived identity and priority, attempts
+#: from zero, enqueued and due now.
 _REQUEUED_COLUMNS = (
     "job_id",
     "queue",
     "job_type",
     "payload",
+    "run_order",
     "attempts",
     "enqueued_at",
     "process_at",
@@ -679,6 +788,7 @@ def _requeued(columns: Any) -> Select[Any]:
         columns.queue,
         columns.job_type,
         columns.payload,
+        columns.run_order,
         literal(0, Integer()),
         _ENQUEUE_NOW,
         _ENQUEUE_NOW,
@@ -688,7 +798,13 @@ def _requeued(columns: Any) -> Select[Any]:
 _MOVED = (
     delete(ARCHIVE)
     .where(ARCHIVE.c.job_id == _any("job_ids"), _FAILURE)
-    .returning(ARCHIVE.c.job_id, ARCHIVE.c.queue, ARCHIVE.c.job_type, ARCHIVE.c.payload)
+    .returning(
+        ARCHIVE.c.job_id,
+        ARCHIVE.c.queue,
+        ARCHIVE.c.job_type,
+        ARCHIVE.c.payload,
+        ARCHIVE.c.run_order,
+    )
     .cte("moved")
 )
 _REQUEUE_RETURNING = (
@@ -727,4 +843,4 @@ def due_job(queue: str, now: datetime) -> Statement:
 def probe_tables() -> list[Statement]:
     """Read no row of each library table, naming every column the models know: fails
     when a table or a column is missing (tables never installed, or not upgraded)."""
-    return [(select(table).where(false()), {}) for table in (JOB, ARCHIVE, RUN)]
+    return [(select(table).where(false()), {}) for table in (JOB, ARCHIVE, RUN, PAUSED)]

@@ -20,6 +20,12 @@ from sqla_proletarian.types import MAX_NAME_LENGTH
 #: The queue a job goes to and a worker polls when none is named.
 DEFAULT_QUEUE = "default"
 
+#: A job's priority when none is given; higher priorities run first.
+DEFAULT_PRIORITY = 0
+#: The priorities a job may have (stored negated in a SMALLINT, on every backend).
+MIN_PRIORITY = -32767
+MAX_PRIORITY = 32767
+
 Clock = Callable[[], datetime]
 JobIdStrategy = Callable[[], uuid.UUID]
 
@@ -79,6 +85,24 @@ def check_aware(field: str, value: object) -> datetime:
     return value.astimezone(UTC)
 
 
+def check_priority(value: object) -> int:
+    """A whole number from MIN_PRIORITY to MAX_PRIORITY; higher runs first."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidJobError(
+            "priority", f"{value!r} is not a whole number; give an int (higher runs first)"
+        )
+    if not MIN_PRIORITY <= value <= MAX_PRIORITY:
+        raise InvalidJobError(
+            "priority", f"{value} is out of range; give {MIN_PRIORITY} to {MAX_PRIORITY}"
+        )
+    return value
+
+
+def check_unique_key(value: object) -> str | None:
+    """None, or a key that every backend stores and compares exactly, like a queue name."""
+    return None if value is None else check_name("unique_key", value)
+
+
 def schedule(
     now: datetime, process_at: datetime | None, process_in: timedelta | float | None
 ) -> datetime:
@@ -104,6 +128,8 @@ def build_job_values(
     queue: str = DEFAULT_QUEUE,
     process_at: datetime | None = None,
     process_in: timedelta | float | None = None,
+    priority: int = DEFAULT_PRIORITY,
+    unique_key: str | None = None,
     job_id: uuid.UUID | None = None,
     serializer: Serializer | None = None,
     job_id_strategy: JobIdStrategy | None = None,
@@ -113,13 +139,16 @@ def build_job_values(
     OpenTelemetry, the enqueue's span is recorded here and its context kept in the row."""
     check_name("job_type", job_type)
     check_name("queue", queue)
+    check_priority(priority)
+    check_unique_key(unique_key)
     now = check_aware("clock()", (clock or utc_now)())
     text = (serializer or DEFAULT_SERIALIZER).dumps(payload)
     if job_id is None:
         job_id = (job_id_strategy or uuid4)()
     if not isinstance(job_id, uuid.UUID):
         raise InvalidJobError("job_id", f"{job_id!r} is not a uuid.UUID")
-    row = _new_row(job_id, queue, job_type, text, now, schedule(now, process_at, process_in))
+    due = schedule(now, process_at, process_in)
+    row = _new_row(job_id, queue, job_type, text, now, due, priority, unique_key)
     trace_context = telemetry.enqueue_context(queue, job_id=job_id, job_type=job_type)
     if trace_context is not None:
         row["trace_context"] = trace_context
@@ -127,7 +156,14 @@ def build_job_values(
 
 
 def _new_row(
-    job_id: uuid.UUID, queue: str, job_type: str, payload: str, now: datetime, due: datetime
+    job_id: uuid.UUID,
+    queue: str,
+    job_type: str,
+    payload: str,
+    now: datetime,
+    due: datetime,
+    priority: int,
+    unique_key: str | None,
 ) -> dict[str, Any]:
     """A new job's column values."""
     return {
@@ -138,23 +174,29 @@ def _new_row(
         "attempts": 0,
         "enqueued_at": now,
         "process_at": due,
+        # Stored negated: the poll reads ascending order (see models).
+        "run_order": -priority,
+        "unique_key": unique_key,
     }
 
 
 def build_many_job_values(
-    jobs: Iterable[tuple[str, Any]],
+    jobs: Iterable[tuple[str, Any] | tuple[str, Any, str | None]],
     *,
     queue: str = DEFAULT_QUEUE,
     process_at: datetime | None = None,
     process_in: timedelta | float | None = None,
+    priority: int = DEFAULT_PRIORITY,
     serializer: Serializer | None = None,
     job_id_strategy: JobIdStrategy | None = None,
     clock: Clock | None = None,
 ) -> list[dict[str, Any]]:
-    """The column values of many new jobs, ``(job_type, payload)`` pairs, validated as
-    ``build_job_values`` does; what they share (queue, time, schedule) is checked once. A bad
-    job raises with its index (``jobs[3]``)."""
+    """The column values of many new jobs, ``(job_type, payload)`` pairs or
+    ``(job_type, payload, unique_key)`` triples, validated as ``build_job_values`` does; what
+    they share (queue, priority, time, schedule) is checked once. A bad job raises with its
+    index (``jobs[3]``)."""
     check_name("queue", queue)
+    check_priority(priority)
     now = check_aware("clock()", (clock or utc_now)())
     due = schedule(now, process_at, process_in)
     dumps = (serializer or DEFAULT_SERIALIZER).dumps
@@ -162,15 +204,18 @@ def build_many_job_values(
     checked: set[str] = set()
     rows = []
     for index, job in enumerate(jobs):
-        try:
-            job_type, payload = job
-        except (TypeError, ValueError):
+        fields = _job_fields(job)
+        if fields is None:
             raise InvalidJobError(
-                f"jobs[{index}]", f"{job!r} is not a (job_type, payload) pair"
-            ) from None
+                f"jobs[{index}]",
+                f"{job!r} is not a (job_type, payload) pair or a (job_type, payload, "
+                "unique_key) triple",
+            )
+        job_type, payload, unique_key = fields
         try:
             if job_type not in checked:
                 checked.add(check_name("job_type", job_type))
+            check_unique_key(unique_key)
             text = dumps(payload)
             job_id = make_id()
             if not isinstance(job_id, uuid.UUID):
@@ -179,10 +224,25 @@ def build_many_job_values(
             raise PayloadSerializationError(f"jobs[{index}]: {exc}", exc.payload) from exc
         except InvalidJobError as exc:
             raise InvalidJobError(f"jobs[{index}]", str(exc)) from exc
-        rows.append(_new_row(job_id, queue, job_type, text, now, due))
+        rows.append(_new_row(job_id, queue, job_type, text, now, due, priority, unique_key))
     # One span for the batch, whose jobs share its context.
     trace_context = telemetry.enqueue_context(queue, batch=len(rows)) if rows else None
     if trace_context is not None:
         for row in rows:
             row["trace_context"] = trace_context
     return rows
+
+
+def _job_fields(job: Any) -> tuple[Any, Any, Any] | None:
+    """``(job_type, payload, unique_key)`` of one of enqueue_many's jobs; None if malformed."""
+    if isinstance(job, str | bytes):
+        return None
+    try:
+        fields: tuple[Any, ...] = tuple(job)
+    except TypeError:
+        return None
+    if len(fields) == 2:
+        return fields[0], fields[1], None
+    if len(fields) == 3:
+        return fields[0], fields[1], fields[2]
+    return None

@@ -21,7 +21,7 @@ from sqlalchemy import Engine
 from sqlalchemy.pool import QueuePool
 
 from sqla_proletarian import wakeups
-from sqla_proletarian.dialects import dialect_of
+from sqla_proletarian.dialects import Dialect, dialect_of
 from sqla_proletarian.errors import (
     ConfigurationError,
     is_transient,
@@ -38,6 +38,7 @@ from sqla_proletarian.execution import (
 )
 from sqla_proletarian.logs import log_event
 from sqla_proletarian.models import DEFAULT_QUEUE
+from sqla_proletarian.periodic import PeriodicJob, Scheduler, check_periodic_jobs
 from sqla_proletarian.serialization import DEFAULT_SERIALIZER, Serializer
 from sqla_proletarian.values import Clock, check_name, utc_now
 
@@ -91,6 +92,7 @@ class WorkerOptions:
     max_unclean_ends: int | None = DEFAULT_MAX_UNCLEAN_ENDS
     batch_size: int = DEFAULT_BATCH_SIZE
     poll_only: bool = False
+    periodic_jobs: tuple[PeriodicJob, ...] = ()
 
     def __post_init__(self) -> None:
         check_name("queue", self.queue)
@@ -119,6 +121,7 @@ class WorkerOptions:
             )
         if self.worker_id is None:
             object.__setattr__(self, "worker_id", f"proletarian[{self.queue}]")
+        object.__setattr__(self, "periodic_jobs", check_periodic_jobs(self.periodic_jobs))
 
     @classmethod
     def from_kwargs(cls, options: dict[str, Any]) -> WorkerOptions:
@@ -148,6 +151,19 @@ class WorkerOptions:
             max_unclean_ends=self.max_unclean_ends,
             batch_size=self.batch_size,
         )
+
+
+def scheduler_for(dialect: Dialect, options: WorkerOptions) -> Scheduler | None:
+    """What enqueues a worker's periodic jobs, if it has any."""
+    if not options.periodic_jobs:
+        return None
+    return Scheduler(
+        dialect,
+        options.periodic_jobs,
+        serializer=options.serializer,
+        clock=options.clock,
+        interval=options.polling_interval,
+    )
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -183,6 +199,7 @@ class QueueWorker:
             engine, options.run_settings(handler), self._count, stopping=self._stopping.is_set
         )
         _check_pool(engine, self._runner.connections_per_thread, options.worker_threads)
+        self._scheduler = scheduler_for(self._runner.dialect, options)
         self._counts: dict[Outcome, int] = {"succeeded": 0, "retried": 0, "failed": 0}
         self._counts_lock = threading.Lock()
         self._wakeup = threading.Event()
@@ -409,6 +426,8 @@ class QueueWorker:
                 try:
                     if connections is None:
                         connections = self._runner.open_connections()
+                    if self._scheduler is not None:
+                        self._scheduler.tick(connections.conn)
                     ran = self._runner.process_one(connections)
                     backoff = 0.0
                 except Exception as exc:
@@ -628,9 +647,11 @@ def create_queue_worker(engine: Engine, handler: Callable[..., Any], **options: 
     ``await_termination_timeout`` (10 s), ``worker_id``, ``serializer``, ``clock`` and
     ``max_unclean_ends`` (3; None turns crash accounting off), ``batch_size`` (1: jobs
     claimed, run one after another and committed together in one transaction; SQLite
-    always claims one) and ``poll_only`` (False: on PostgreSQL a committed enqueue wakes
+    always claims one), ``poll_only`` (False: on PostgreSQL a committed enqueue wakes
     idle workers at once through LISTEN/NOTIFY; True polls only, for transaction-pooling
-    proxies).
+    proxies) and ``periodic_jobs`` (a list of ``PeriodicJob``: the worker enqueues their
+    occurrences, each once however many workers have them, checking at most once per
+    polling interval, between jobs).
 
     A worker runs once: ``start()`` after a stop raises ConfigurationError. ``stop()`` starts
     no job from the moment it is called, may be called more than once and from any thread

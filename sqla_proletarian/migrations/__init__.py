@@ -8,8 +8,9 @@ labelled :data:`BRANCH_LABEL`. Or keep one head: call :func:`create_tables` from
 The DDL below is frozen: each helper is the schema change of one revision and never follows
 later edits of the models. A release that changes the schema adds a revision and a helper for
 it: ``create_tables`` is ``sqlap_0001``; ``add_run_owners`` and ``add_enqueue_notifications``
-are ``sqlap_0002``; ``add_trace_context`` is ``sqlap_0003``. A single-head project calls each
-new helper from a new revision of its own, in that order.
+are ``sqlap_0002``; ``add_trace_context`` is ``sqlap_0003``; ``add_job_control`` is
+``sqlap_0004``. A single-head project calls each new helper from a new revision of its own,
+in that order.
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ __all__ = [
     "INITIAL_REVISION",
     "VERSION_LOCATION",
     "add_enqueue_notifications",
+    "add_job_control",
     "add_run_owners",
     "add_trace_context",
     "create_tables",
     "drop_enqueue_notifications",
+    "drop_job_control",
     "drop_run_owners",
     "drop_tables",
     "drop_trace_context",
@@ -51,13 +54,17 @@ BRANCH_LABEL = "sqla_proletarian"
 INITIAL_REVISION = "sqlap_0001"
 
 #: The newest revision of the library's branch.
-HEAD_REVISION = "sqlap_0003"
+HEAD_REVISION = "sqlap_0004"
 
 # Table names are spelled out (not imported from the models) so the revision stays as written.
 _JOB = "proletarian_job"
 _ARCHIVED_JOB = "proletarian_archived_job"
 _JOB_RUN = "proletarian_job_run"
 _TABLES = (_JOB, _ARCHIVED_JOB, _JOB_RUN)
+_PERIODIC = "proletarian_periodic"
+_PAUSED_QUEUE = "proletarian_paused_queue"
+_POLL_INDEX = "ix_proletarian_job_poll"
+_UNIQUE_KEY_INDEX = "ix_proletarian_job_unique_key"
 
 _NAME_LENGTH = 255
 _MYSQL_TABLE_OPTIONS: dict[str, Any] = {"mysql_engine": "InnoDB", "mysql_charset": "utf8mb4"}
@@ -232,3 +239,56 @@ def drop_trace_context(op: Operations | ModuleType | None = None) -> None:
     """Undo :func:`add_trace_context`."""
     ops = _operations(op)
     ops.drop_column(_JOB, "trace_context")
+
+
+def add_job_control(op: Operations | ModuleType | None = None) -> None:
+    """Priorities, unique keys, periodic schedules and paused queues (``sqlap_0004``).
+
+    ``proletarian_job`` gets ``run_order`` (the priority negated; queued jobs get 0) and
+    ``unique_key`` (NULL), the poll index becomes ``(queue, run_order, process_at, seq)`` and
+    a unique index on ``(queue, unique_key)`` is added; the archive gets ``run_order``; the
+    tables
+    ``proletarian_periodic`` and ``proletarian_paused_queue`` are created. Queued jobs keep
+    running; stop the workers of the earlier version before upgrading (they would poll
+    without priorities and pauses).
+    """
+    ops = _operations(op)
+    dialect = ops.get_context().dialect
+    for table in (_JOB, _ARCHIVED_JOB):
+        ops.add_column(
+            table,
+            sa.Column("run_order", sa.SmallInteger(), server_default=sa.text("0"), nullable=False),
+        )
+    ops.add_column(_JOB, sa.Column("unique_key", _name(dialect), nullable=True))
+    ops.drop_index(ops.f(_POLL_INDEX), table_name=_JOB)
+    # Higher priorities first, then due time, then enqueue order: all ascending.
+    ops.create_index(ops.f(_POLL_INDEX), _JOB, ["queue", "run_order", "process_at", "seq"])
+    ops.create_index(ops.f(_UNIQUE_KEY_INDEX), _JOB, ["queue", "unique_key"], unique=True)
+    ops.create_table(
+        _PERIODIC,
+        sa.Column("name", _name(dialect), nullable=False),
+        sa.Column("last_occurrence", _timestamp(), nullable=False),
+        sa.PrimaryKeyConstraint("name", name=ops.f("pk_proletarian_periodic")),
+        **_MYSQL_TABLE_OPTIONS,
+    )
+    ops.create_table(
+        _PAUSED_QUEUE,
+        sa.Column("queue", _name(dialect), nullable=False),
+        sa.Column("paused_at", _timestamp(), nullable=False),
+        sa.PrimaryKeyConstraint("queue", name=ops.f("pk_proletarian_paused_queue")),
+        **_MYSQL_TABLE_OPTIONS,
+    )
+
+
+def drop_job_control(op: Operations | ModuleType | None = None) -> None:
+    """Undo :func:`add_job_control`: queued jobs stay, without their priorities and keys;
+    schedules and pauses are forgotten."""
+    ops = _operations(op)
+    ops.drop_table(_PAUSED_QUEUE)
+    ops.drop_table(_PERIODIC)
+    ops.drop_index(ops.f(_UNIQUE_KEY_INDEX), table_name=_JOB)
+    ops.drop_index(ops.f(_POLL_INDEX), table_name=_JOB)
+    ops.create_index(ops.f(_POLL_INDEX), _JOB, ["queue", "process_at", "seq"])
+    ops.drop_column(_JOB, "unique_key")
+    for table in (_ARCHIVED_JOB, _JOB):
+        ops.drop_column(table, "run_order")

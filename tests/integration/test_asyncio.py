@@ -14,12 +14,21 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 import sqlalchemy as sa
-from helpers import archived, archived_job, count, enqueue_committed, jobs, run_records
+from helpers import (
+    FakeClock,
+    archived,
+    archived_job,
+    count,
+    enqueue_committed,
+    jobs,
+    run_records,
+)
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
@@ -707,3 +716,77 @@ except ImportError as exc:
     )
     assert done.returncode == 0, done.stderr
     assert "greenlet" in done.stdout
+
+
+# --- job control ---------------------------------------------------------------------------
+
+
+def test_the_async_worker_enqueues_its_periodic_jobs_once_per_occurrence(
+    async_url: URL, sync_engine: sa.Engine
+) -> None:
+    """``periodic_jobs`` works in the asyncio worker as in the threaded one: with a fake
+    clock, each occurrence is enqueued once (three tasks tick it) and then run."""
+    start = datetime(2040, 2, 29, 12, 0, 0, tzinfo=UTC)
+    clock = FakeClock(start)
+    ran: list[Any] = []
+
+    async def handler(job_type: str, payload: Any) -> None:
+        ran.append(payload)
+
+    async def main() -> None:
+        async with async_engine(async_url) as engine:
+            worker = sp.create_async_queue_worker(
+                engine,
+                handler,
+                concurrency=3,
+                clock=clock,
+                polling_interval=0.01,
+                periodic_jobs=[sp.PeriodicJob("tick", every=timedelta(minutes=1), payload=1)],
+            )
+            async with worker:
+                # The first look records the schedule; its next occurrence is 12:01.
+                await asyncio.sleep(0.1)
+                clock.set(start + timedelta(minutes=1, seconds=1))
+                assert await eventually(lambda: len(ran) == 1)
+                clock.set(start + timedelta(minutes=2, seconds=1))
+                assert await eventually(lambda: len(ran) == 2)
+                await asyncio.sleep(0.1)
+
+    asyncio.run(main())
+    assert ran == [1, 1]
+    assert sorted(job.process_at for job in archived(sync_engine)) == [
+        start + timedelta(minutes=1),
+        start + timedelta(minutes=2),
+    ]
+
+
+def test_unique_keys_and_priorities_through_enqueue_async(
+    async_url: URL, sync_engine: sa.Engine
+) -> None:
+    """``await sp.enqueue_async(..., unique_key=...)`` returns the holder's id for a second
+    job with the key; the sync ``sp.enqueue(async_session, unique_key=...)`` cannot insert at
+    once and says to await; the async worker runs the higher priority first."""
+
+    async def main() -> tuple[uuid.UUID, uuid.UUID, uuid.UUID]:
+        async with async_engine(async_url) as engine:
+            async with AsyncSession(engine) as session:
+                # Enqueued first and due first, but of a lower priority.
+                low = await sp.enqueue_async(session, "low", None, priority=-5)
+                first = await sp.enqueue_async(session, "sync", {"n": 1}, unique_key="k")
+                second = await sp.enqueue_async(session, "sync", {"n": 2}, unique_key="k")
+                with pytest.raises(sp.NotATransactionError, match="enqueue_async"):
+                    sp.enqueue(session, "sync", {"n": 3}, unique_key="other")
+                await session.commit()
+            order: list[str] = []
+
+            async def handler(job_type: str, payload: Any) -> None:
+                order.append(job_type)
+
+            async with sp.create_async_queue_worker(engine, handler, polling_interval=0.01):
+                assert await eventually(lambda: len(order) == 2)
+            assert order == ["sync", "low"]
+            return first, second, low
+
+    first, second, low = asyncio.run(main())
+    assert first == second and low != first
+    assert {job.job_id for job in archived(sync_engine)} == {first, low}

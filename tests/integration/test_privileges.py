@@ -11,15 +11,18 @@ import os
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import pytest
 import sqlalchemy as sa
+from helpers import FakeClock
 from sqlalchemy.orm import Session
 
 import sqla_proletarian as sp
+from sqla_proletarian.dialects import dialect_of
 from sqla_proletarian.errors import driver_error, mysql_errno, sqlstate
+from sqla_proletarian.periodic import PeriodicJob, Scheduler
 
 if TYPE_CHECKING:
     from conftest import Database
@@ -46,7 +49,27 @@ WORKER_GRANTS: list[Grant] = [
     ("SELECT", "proletarian_job_run"),
     ("INSERT", "proletarian_job_run"),
     ("DELETE", "proletarian_job_run"),
+    # Each poll checks whether its queue is paused.
+    ("SELECT", "proletarian_paused_queue"),
 ]
+#: What a worker with periodic jobs needs besides: its schedules' records, and enqueueing.
+PERIODIC_GRANTS: dict[str, list[Grant]] = {
+    "postgresql": [
+        ("SELECT", "proletarian_periodic"),
+        ("INSERT", "proletarian_periodic"),
+        ("UPDATE", "proletarian_periodic"),
+        ("INSERT", "proletarian_job"),
+        ("USAGE", "SEQUENCE proletarian_job_seq_seq"),
+    ],
+    "mariadb": [
+        ("SELECT", "proletarian_periodic"),
+        ("INSERT", "proletarian_periodic"),
+        ("UPDATE", "proletarian_periodic"),
+        ("INSERT", "proletarian_job"),
+    ],
+}
+#: What an enqueuing role needs besides for jobs with a unique key: reading the holder's id.
+UNIQUE_KEY_GRANTS: list[Grant] = [("SELECT (job_id, queue, unique_key)", "proletarian_job")]
 ENQUEUER_GRANTS: dict[str, list[Grant]] = {
     # BIGSERIAL's nextval() needs USAGE on its sequence. A Session's flush of one job reads
     # back the server-made seq (INSERT ... RETURNING seq: one round trip, not a nextval()
@@ -344,3 +367,61 @@ def test_every_documented_enqueue_grant_is_needed(roles: Roles) -> None:
         finally:
             enqueuer.grant(grant)
     enqueue_both_ways(enqueuer, "needed")
+
+
+def enqueue_keyed(enqueuer: Role) -> None:
+    """A keyed job twice, by a Session and by a Connection: one job."""
+    with Session(enqueuer.engine) as session:
+        first = sp.enqueue(session, "keyed", unique_key="k", queue="keyed")
+        session.commit()
+    with enqueuer.engine.begin() as conn:
+        assert sp.enqueue(conn, "keyed", unique_key="k", queue="keyed") == first
+
+
+def test_unique_keys_need_select_on_three_job_columns_and_each_is_needed(roles: Roles) -> None:
+    """An enqueue-only role enqueues keyed jobs with SELECT on job_id, queue and unique_key
+    besides; without it the server refuses; payloads stay unreadable."""
+    enqueuer = roles.make("enqueuer", ENQUEUER_GRANTS[roles.backend] + UNIQUE_KEY_GRANTS)
+    enqueue_keyed(enqueuer)
+    with enqueuer.engine.connect() as conn:
+        assert_refused(lambda: conn.execute(sa.select(sp.Job.__table__.c.payload)))
+    enqueuer.revoke(UNIQUE_KEY_GRANTS[0])
+    assert_refused(lambda: enqueue_keyed(enqueuer))
+
+
+def test_a_worker_with_periodic_jobs_needs_the_documented_grants_and_each_of_them(
+    roles: Roles, engine: sa.Engine
+) -> None:
+    """The worker grants and the periodic ones: the schedule's record is made, moved on
+    and its occurrence enqueued; take away any periodic grant and the server refuses."""
+    grants = PERIODIC_GRANTS[roles.backend]
+    worker = roles.make("worker", list(WORKER_GRANTS) + grants)
+    start = datetime(2040, 1, 1, 12, 0, 30, tzinfo=UTC)
+
+    def tick(clock: datetime, name: str) -> None:
+        """A schedule's first look (its record made), then its next occurrence enqueued."""
+        moment = FakeClock(clock)
+        scheduler = Scheduler(
+            dialect_of(worker.engine),
+            (PeriodicJob("tick", every=timedelta(minutes=1), name=name),),
+            serializer=sp.JsonSerializer(),
+            clock=moment,
+            interval=0.0,
+        )
+        for _ in range(2):
+            with dialect_of(worker.engine).claim_connection(worker.engine) as conn:
+                scheduler.tick(conn)
+            moment.advance(60)
+
+    tick(start, "granted")
+    with engine.connect() as conn:
+        job = sp.Job.__table__
+        assert conn.scalar(sa.select(sa.func.count()).where(job.c.job_type == "tick")) == 1
+    for number, grant in enumerate(grants):
+        worker.revoke(grant)
+        try:
+            with pytest.raises(sa.exc.StatementError) as info:
+                tick(start, f"without-{number}")
+            assert permission_denied(info.value), (grant, info.value)
+        finally:
+            worker.grant(grant)

@@ -289,7 +289,9 @@ def test_plugin_empties_tables_that_existed_instead_of_dropping_them(
     result.assert_outcomes(passed=2)
     assert _library_tables(database) == set(sp.metadata.tables), "kept"
     engine = database.engine()
-    assert [count(engine, table) for table in sp.metadata.sorted_tables] == [0, 0, 0]
+    assert [count(engine, table) for table in sp.metadata.sorted_tables] == [0] * len(
+        sp.metadata.sorted_tables
+    )
 
 
 def test_plugin_without_proletarian_engine_says_what_to_define(pytester: pytest.Pytester) -> None:

@@ -273,10 +273,12 @@ from alembic import op
 
 from sqla_proletarian.migrations import (
     add_enqueue_notifications,
+    add_job_control,
     add_run_owners,
     add_trace_context,
     create_tables,
     drop_enqueue_notifications,
+    drop_job_control,
     drop_run_owners,
     drop_tables,
     drop_trace_context,
@@ -328,13 +330,13 @@ def user_project(root: Path, *, calls_helpers: bool, library_location: bool) -> 
         extra_doc=" and the library's tables" if calls_helpers else "",
         upgrade_extra=(
             "create_tables(op); add_run_owners(op); add_enqueue_notifications(op); "
-            "add_trace_context(op)"
+            "add_trace_context(op); add_job_control(op)"
             if calls_helpers
             else "pass"
         ),
         downgrade_extra=(
-            "drop_trace_context(op); drop_enqueue_notifications(op); drop_run_owners(op); "
-            "drop_tables(op)"
+            "drop_job_control(op); drop_trace_context(op); drop_enqueue_notifications(op); "
+            "drop_run_owners(op); drop_tables(op)"
             if calls_helpers
             else "pass"
         ),
@@ -460,3 +462,77 @@ def test_upgrading_from_the_first_revision_keeps_queued_jobs_and_drops_ownerless
     with Session(engine) as session:
         archived = session.get(sp.ArchivedJob, job_id)
         assert archived is not None and (archived.status, archived.attempts) == ("success", 1)
+
+
+def test_upgrading_a_database_with_queued_jobs_to_the_last_revision_and_back_keeps_them(
+    empty_database: Database,
+) -> None:
+    """sqlap_0001 -> sqlap_0004 with jobs queued and archived: they stay, with priority 0
+    and no unique key, and still run in due order; keyed and prioritised jobs can be added.
+    Back to sqlap_0001 the queued jobs stay again (their priorities and keys are dropped)."""
+    engine = empty_database.engine()
+    config = library_config()
+    run(config, engine, command.upgrade, spm.INITIAL_REVISION)
+    now = sp.utc_now()
+    # The first revision's job table, as 0.1 wrote it.
+    old_job = sa.table(
+        "proletarian_job",
+        *(sa.column(name, sp.Job.__table__.c[name].type) for name in OLD_JOB_COLUMNS),
+    )
+    old_ids = [uuid.uuid4() for _ in range(3)]
+    with engine.begin() as conn:
+        conn.execute(
+            sa.insert(old_job),
+            [
+                {
+                    "job_id": job_id,
+                    "queue": "default",
+                    "job_type": f"kept-{n}",
+                    "payload": "{}",
+                    "attempts": 0,
+                    "enqueued_at": now,
+                    "process_at": now,
+                }
+                for n, job_id in enumerate(old_ids)
+            ],
+        )
+    run(config, engine, command.upgrade, spm.HEAD_REVISION)
+    assert versions_in_database(engine) == {spm.HEAD_REVISION}
+    assert differences(engine, sp.metadata) == []
+    with Session(engine) as session:
+        kept = session.scalars(sa.select(sp.Job).order_by(sp.Job.__table__.c.seq)).all()
+        assert [(job.job_id, job.priority, job.unique_key) for job in kept] == [
+            (job_id, 0, None) for job_id in old_ids
+        ]
+        urgent = sp.enqueue(session, "urgent", priority=5, unique_key="once")
+        assert sp.enqueue(session, "urgent", priority=5, unique_key="once") == urgent
+        session.commit()
+    ran: list[str] = []
+    while sp.process_next_job(engine, lambda job_type, payload: ran.append(job_type)):
+        pass
+    assert ran == ["urgent", "kept-0", "kept-1", "kept-2"]
+    with Session(engine) as session:
+        assert session.get(sp.ArchivedJob, urgent).priority == 5  # type: ignore[union-attr]
+        sp.enqueue(session, "queued-at-downgrade", priority=3, unique_key="k")
+        session.commit()
+
+    run(config, engine, command.downgrade, spm.INITIAL_REVISION)
+    assert versions_in_database(engine) == {spm.INITIAL_REVISION}
+    with engine.connect() as conn:
+        rows = conn.execute(sa.select(old_job.c.job_type)).scalars().all()
+        assert rows == ["queued-at-downgrade"]
+        columns = {column["name"] for column in sa.inspect(conn).get_columns("proletarian_job")}
+        assert columns == set(OLD_JOB_COLUMNS) | {"seq"}
+        assert not sa.inspect(conn).has_table("proletarian_periodic")
+
+
+#: The job table's columns in the first revision (``seq`` aside).
+OLD_JOB_COLUMNS = (
+    "job_id",
+    "queue",
+    "job_type",
+    "payload",
+    "attempts",
+    "enqueued_at",
+    "process_at",
+)

@@ -33,6 +33,8 @@ def test_a_new_job_gets_its_defaults_from_the_clock_and_the_serializer() -> None
         "attempts": 0,
         "enqueued_at": NOW,
         "process_at": NOW,
+        "run_order": 0,
+        "unique_key": None,
     }
 
 

@@ -1,0 +1,117 @@
+"""Job control in the caller's transaction: cancel a queued job, pause and resume a queue.
+
+Like enqueue, each takes the caller's Session or Connection and never commits: a cancel or
+a pause takes effect when the caller commits, and not at all if it rolls back.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from sqlalchemy import Connection, Engine
+from sqlalchemy.orm import Session, scoped_session
+
+from sqla_proletarian import statements as sql
+from sqla_proletarian import wakeups
+from sqla_proletarian.dialects import dialect_of
+from sqla_proletarian.enqueue import Transaction, _connection_of
+from sqla_proletarian.errors import InvalidJobError, NotATransactionError
+from sqla_proletarian.logs import log_event
+from sqla_proletarian.unique import PRIMARY_KEY, insert_or_nothing
+from sqla_proletarian.values import Clock, check_aware, check_name, utc_now
+
+__all__ = ["cancel_job", "pause_queue", "paused_queues", "resume_queue"]
+
+
+def cancel_job(
+    session_or_connection: Transaction, job_id: uuid.UUID, *, clock: Clock = utc_now
+) -> bool:
+    """Take a queued job out of its queue before it runs: it is archived with status
+    ``"cancelled"``. True if it was cancelled; False if it is not in the queue (never
+    enqueued, archived already) or a worker is running it right now. Never commits.
+
+    A job a worker is running is skipped, not waited for (``FOR UPDATE SKIP LOCKED``). On
+    SQLite a running job holds the database's write lock, so the cancel waits for the run
+    to end (up to the connection's busy timeout), then finds the job gone and returns False.
+    """
+    if not isinstance(job_id, uuid.UUID):
+        raise InvalidJobError("job_id", f"{job_id!r} is not a uuid.UUID")
+    conn = _connection_of(session_or_connection, "cancel_job")
+    dialect = dialect_of(conn)
+    now = check_aware("clock()", clock())
+    job = conn.execute(*sql.lock_queued_job(job_id)).mappings().first()
+    if job is None:
+        return False
+    # On SQLite the row was read without a lock: the delete takes the write lock (after a
+    # running job's commit) and tells whether the job is still there.
+    if dialect.deletes_runs_with_job:
+        deleted = conn.execute(*sql.delete_job_and_runs(job_id)).rowcount
+    else:
+        deleted = conn.execute(*sql.delete_job(job_id)).rowcount
+        conn.execute(*sql.end_runs(job_id))
+    if deleted != 1:
+        return False
+    conn.execute(
+        *sql.archive(
+            dict(job),
+            status="cancelled",
+            attempts=job["attempts"],
+            finished_at=now,
+            error=None,
+            upsert=dialect.archive_upsert,
+        )
+    )
+    log_event(
+        logging.INFO,
+        "job-cancelled",
+        job_id=job_id,
+        job_type=job["job_type"],
+        queue=job["queue"],
+    )
+    return True
+
+
+def pause_queue(session_or_connection: Transaction, queue: str, *, clock: Clock = utc_now) -> None:
+    """Pause a queue: from the caller's commit on, its workers (in every process) claim no
+    job until it is resumed; they keep polling, and the jobs they are running finish.
+    Enqueueing goes on. Pausing a paused queue changes nothing. Never commits."""
+    check_name("queue", queue)
+    conn = _connection_of(session_or_connection, "pause_queue")
+    dialect = dialect_of(conn)
+    now = check_aware("clock()", clock())
+    statement = sql.pause_queue(queue, now, dialect.insert_or_nothing)
+    insert_or_nothing(conn, dialect, statement, PRIMARY_KEY)
+    log_event(logging.INFO, "queue-paused", queue=queue)
+
+
+def resume_queue(session_or_connection: Transaction, queue: str) -> None:
+    """Resume a paused queue: at the caller's commit its workers are woken (as by an
+    enqueue) and claim again. Resuming a queue that is not paused changes nothing. Never
+    commits."""
+    check_name("queue", queue)
+    conn = _connection_of(session_or_connection, "resume_queue")
+    if conn.execute(*sql.resume_queue(queue)).rowcount == 0:
+        return
+    if dialect_of(conn).notifies:
+        conn.execute(*sql.notify_queue(queue))
+    wakeups.enqueued(conn, {queue})
+    log_event(logging.INFO, "queue-resumed", queue=queue)
+
+
+def paused_queues(bind: Engine | Transaction) -> set[str]:
+    """The names of the paused queues (read in the caller's transaction, or on a connection
+    of an Engine's own)."""
+    if isinstance(bind, Engine):
+        with bind.connect() as conn:
+            return _paused(conn)
+    if not isinstance(bind, Session | scoped_session | Connection):
+        raise NotATransactionError(
+            f"paused_queues() needs a sqlalchemy Engine, Session or Connection, not "
+            f"{type(bind).__name__}"
+        )
+    return _paused(_connection_of(bind, "paused_queues"))
+
+
+def _paused(conn: Connection) -> set[str]:
+    return set(conn.execute(*sql.paused_queues()).scalars())
