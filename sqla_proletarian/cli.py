@@ -28,6 +28,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import URL, make_url
 
 from sqla_proletarian import statements as sql
+from sqla_proletarian.control import cancel_job, pause_queue, resume_queue
 from sqla_proletarian.enqueue import enqueue
 from sqla_proletarian.errors import (
     ConfigurationError,
@@ -132,6 +133,22 @@ def load_handler(spec: str) -> Callable[..., Any]:
         f"handler {spec!r} is a {type(target).__name__}: give a handler function or a "
         "JobHandlers table (or a factory of one, with ())"
     )
+
+
+def load_periodic_jobs(spec: str) -> tuple[Any, ...]:
+    """The ``periodic_jobs`` of the handler's module (a list of ``sp.PeriodicJob``), if it
+    has any: ``worker tasks:handlers`` runs the schedules that ``tasks.py`` declares."""
+    module = sys.modules.get(spec.partition(":")[0])
+    jobs = getattr(module, "periodic_jobs", None)
+    if jobs is None:
+        return ()
+    try:
+        return tuple(jobs)
+    except TypeError:
+        raise ConfigurationError(
+            f"{spec.partition(':')[0]}.periodic_jobs is a {type(jobs).__name__}: give a list "
+            "of sp.PeriodicJob"
+        ) from None
 
 
 # --- parsing values ------------------------------------------------------------------------
@@ -288,6 +305,9 @@ def worker(args: argparse.Namespace) -> int:
     if args.processes > 1:
         return _supervise(args, _url(args))
     handler = load_handler(args.handler)
+    periodic = load_periodic_jobs(args.handler)
+    if periodic:
+        options["periodic_jobs"] = periodic
     if args.report_fd is not None:
         stop_with_supervisor()
     with _database(args, pool_size=2 * args.threads + 2) as engine:
@@ -326,7 +346,15 @@ def enqueue_job(args: argparse.Namespace) -> int:
     payload = _payload(args.payload)
     process_in = parse_duration(args.delay) if args.delay is not None else None
     with _database(args) as engine, engine.begin() as conn:
-        job_id = enqueue(conn, args.job_type, payload, queue=args.queue, process_in=process_in)
+        job_id = enqueue(
+            conn,
+            args.job_type,
+            payload,
+            queue=args.queue,
+            process_in=process_in,
+            priority=args.priority,
+            unique_key=args.unique_key,
+        )
     print(job_id)
     return EXIT_OK
 
@@ -344,10 +372,26 @@ def status(args: argparse.Namespace) -> int:
     if not queues:
         print("no jobs queued, and none finished in the last hour")
         return EXIT_OK
-    header = ("QUEUE", "READY", "SCHEDULED", "RUNNING", "OLDEST READY", "SUCCEEDED 1H", "FAILED 1H")
+    header = (
+        "QUEUE",
+        "READY",
+        "SCHEDULED",
+        "RUNNING",
+        "OLDEST READY",
+        "SUCCEEDED 1H",
+        "FAILED 1H",
+        "PAUSED",
+        "BY PRIORITY",
+    )
     counts = ("ready", "scheduled", "running", "oldest_ready_age_s", "succeeded_last_hour")
     table = [
-        [q.queue, *(_cell(getattr(q, name)) for name in counts), str(q.failed_last_hour)]
+        [
+            q.queue,
+            *(_cell(getattr(q, name)) for name in counts),
+            str(q.failed_last_hour),
+            "paused" if q.paused else "-",
+            " ".join(f"{priority}:{jobs}" for priority, jobs in q.by_priority.items()) or "-",
+        ]
         for q in queues
     ]
     print("\n".join(_table(header, table)))
@@ -414,6 +458,31 @@ def _uuids(values: Sequence[str]) -> list[uuid.UUID]:
     return ids
 
 
+def pause(args: argparse.Namespace) -> int:
+    with _database(args) as engine, engine.begin() as conn:
+        pause_queue(conn, args.queue)
+    print(f"queue {args.queue!r} paused: its workers stop claiming within a polling interval")
+    return EXIT_OK
+
+
+def resume(args: argparse.Namespace) -> int:
+    with _database(args) as engine, engine.begin() as conn:
+        resume_queue(conn, args.queue)
+    print(f"queue {args.queue!r} resumed")
+    return EXIT_OK
+
+
+def cancel(args: argparse.Namespace) -> int:
+    (job_id,) = _uuids([args.job_id])
+    with _database(args) as engine, engine.begin() as conn:
+        cancelled = cancel_job(conn, job_id)
+    if not cancelled:
+        _error("cancel", f"job {job_id} was not cancelled: it is not queued, or it is running")
+        return EXIT_FAILURE
+    print(f"job {job_id} cancelled (archived as cancelled)")
+    return EXIT_OK
+
+
 def prune(args: argparse.Namespace) -> int:
     older_than = parse_duration(args.older_than)
     with _database(args) as engine:
@@ -469,6 +538,13 @@ ENQUEUE_ARGUMENTS = (
     arg(
         "--in", dest="delay", metavar="SECONDS", help="due this many seconds (or 90s, 5m, 2h) later"
     ),
+    arg("--priority", type=int, default=0, metavar="N", help="higher runs first (0)"),
+    arg(
+        "--unique-key",
+        metavar="KEY",
+        help="add nothing if a queued or running job of the queue holds this key (its id is "
+        "printed instead)",
+    ),
 )
 FAILED_ARGUMENTS = (
     arg("--queue", help="only this queue"),
@@ -486,7 +562,7 @@ RETRY_ARGUMENTS = (
 )
 PRUNE_ARGUMENTS = (
     arg("--older-than", required=True, metavar="DURATION", help="30d, 12h, 90m, 45s, ..."),
-    arg("--status", choices=("success", "failure"), help="only jobs that ended so"),
+    arg("--status", choices=("success", "failure", "cancelled"), help="only jobs that ended so"),
 )
 
 
@@ -564,6 +640,28 @@ COMMANDS: tuple[Command, ...] = (
         f"{PROG} retry-failed --all --job-type charge-card",
         RETRY_ARGUMENTS,
         retry,
+    ),
+    Command(
+        "pause",
+        "pause a queue: its workers stop claiming (running jobs finish), in every process",
+        f"{PROG} pause billing",
+        (arg("queue", metavar="QUEUE"),),
+        pause,
+    ),
+    Command(
+        "resume",
+        "resume a paused queue: its workers claim again",
+        f"{PROG} resume billing",
+        (arg("queue", metavar="QUEUE"),),
+        resume,
+    ),
+    Command(
+        "cancel",
+        "cancel a queued job that no worker is running (archived as cancelled)",
+        f"{PROG} cancel 0b3f4c1e-8a52-4d3e-9a57-2f1f6c1d2e3a",
+        (arg("job_id", metavar="JOB_ID"),),
+        cancel,
+        "exit status: 0 cancelled; 1 not cancelled (not queued, or running right now)",
     ),
     Command(
         "prune",

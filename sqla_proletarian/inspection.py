@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from sqlalchemy import Connection, Engine
@@ -39,7 +39,9 @@ class QueueStatus:
     ``ready``: due now and not claimed; ``scheduled``: due later (retries waiting included);
     ``running``: claimed right now by a live worker; ``oldest_ready_age_s``: seconds since
     the oldest ready job became due (None when none is ready); ``succeeded_last_hour`` and
-    ``failed_last_hour``: archived in the last hour.
+    ``failed_last_hour``: archived in the last hour; ``paused``: workers do not claim from
+    it (``sp.pause_queue``); ``by_priority``: the queued jobs (ready, scheduled and running)
+    per priority, highest first.
     """
 
     queue: str
@@ -49,6 +51,8 @@ class QueueStatus:
     oldest_ready_age_s: float | None
     succeeded_last_hour: int
     failed_last_hour: int
+    paused: bool = False
+    by_priority: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,8 @@ class FailedJob:
 
 
 def queue_status(bind: Engine | Connection, *, clock: Clock = utc_now) -> list[QueueStatus]:
-    """Every queue that has jobs, or archived some in the last hour, sorted by name.
+    """Every queue that has jobs, archived some in the last hour, or is paused, sorted by
+    name.
 
     ``running`` counts the jobs whose run record (``proletarian_job_run``) belongs to a live
     owner, checked without taking any lock: on PostgreSQL by reading ``pg_locks`` for the
@@ -84,6 +89,10 @@ def queue_status(bind: Engine | Connection, *, clock: Clock = utc_now) -> list[Q
         dialect = dialect_of(conn)
         counts = {row.queue: row for row in conn.execute(*sql.queue_counts(now))}
         finished = {row.queue: row for row in conn.execute(*sql.finished_counts(now - RECENT))}
+        paused = set(conn.execute(*sql.paused_names()).scalars())
+        by_priority: dict[str, dict[int, int]] = {}
+        for row in conn.execute(*sql.priority_counts()):
+            by_priority.setdefault(row.queue, {})[-int(row.run_order)] = int(row.jobs)
         claimed = conn.execute(*sql.claimed_runs()).all()
         live = _live_owners(dialect, conn, {row.owner for row in claimed})
         running: dict[str, int] = {}
@@ -91,7 +100,7 @@ def queue_status(bind: Engine | Connection, *, clock: Clock = utc_now) -> list[Q
             if row.owner in live:
                 running[row.queue] = running.get(row.queue, 0) + int(row.jobs)
         statuses = []
-        for queue in sorted(set(counts) | set(finished)):
+        for queue in sorted(set(counts) | set(finished) | paused):
             due = int(counts[queue].due) if queue in counts else 0
             busy = running.get(queue, 0)
             oldest: datetime | None = counts[queue].oldest_due if queue in counts else None
@@ -108,6 +117,8 @@ def queue_status(bind: Engine | Connection, *, clock: Clock = utc_now) -> list[Q
                     oldest_ready_age_s=age,
                     succeeded_last_hour=int(finished[queue].succeeded) if queue in finished else 0,
                     failed_last_hour=int(finished[queue].failed) if queue in finished else 0,
+                    paused=queue in paused,
+                    by_priority=dict(sorted(by_priority.get(queue, {}).items(), reverse=True)),
                 )
             )
     return statuses

@@ -591,6 +591,25 @@ def queue_counts(now: datetime) -> Statement:
     return _QUEUE_COUNTS, {"now": now}
 
 
+_PRIORITY_COUNTS = select(JOB.c.queue, JOB.c.run_order, func.count().label("jobs")).group_by(
+    JOB.c.queue, JOB.c.run_order
+)
+
+
+def priority_counts() -> Statement:
+    """Per queue and priority (as its ``run_order``): how many jobs are queued (the poll
+    index's leading columns)."""
+    return _PRIORITY_COUNTS, {}
+
+
+_PAUSED_NAMES = select(PAUSED.c.queue)
+
+
+def paused_names() -> Statement:
+    """The names of the paused queues."""
+    return _PAUSED_NAMES, {}
+
+
 _FINISHED_COUNTS = (
     select(
         ARCHIVE.c.queue,
@@ -832,11 +851,12 @@ def requeue_failed(job_ids: list[uuid.UUID], now: datetime, *, returning: bool) 
     ]
 
 
-_DUE_JOB = select(JOB.c.seq).where(JOB.c.queue == bindparam("queue"), _DUE).limit(1)
+_DUE_JOB = select(JOB.c.seq).where(JOB.c.queue == bindparam("queue"), _DUE, ~_PAUSED).limit(1)
 
 
 def due_job(queue: str, now: datetime) -> Statement:
-    """Any job of the queue due at ``now``, running or not (a probe of the poll index)."""
+    """Any job of the queue due at ``now``, running or not, unless the queue is paused (a
+    probe of the poll index)."""
     return _DUE_JOB, {"queue": queue, "now": now}
 
 

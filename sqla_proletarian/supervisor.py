@@ -87,9 +87,9 @@ def run_worker(
     Options are those of ``create_queue_worker``. Without ``burst`` it runs until stopped:
     by SIGTERM or SIGINT with ``install_signal_handlers=True`` (which ends the process as
     the worker's signal handling does), or by itself (``worker.exception`` says why). With
-    ``burst`` it stops once no job of its queue is due: jobs running count as due, so they
-    finish first, and retries scheduled for later do not keep it going. ``report``
-    receives a ``started`` and a ``stopped`` event (see ``Report``).
+    ``burst`` it stops once no job of its queue is due (or the queue is paused): jobs running
+    count as due, so they finish first, and retries scheduled for later do not keep it going.
+    ``report`` receives a ``started`` and a ``stopped`` event (see ``Report``).
     """
     started: list[QueueWorker] = []
     on_shutdown = options.pop("on_shutdown", None)
