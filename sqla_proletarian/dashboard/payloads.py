@@ -46,7 +46,7 @@ def _value(value: Any, depth: int) -> Markup:
     if isinstance(value, str) and len(value) > LONG_STRING:
         return Markup(
             '<details class="fold"><summary><span class="string preview">{}…</span> '
-            '<span class="size">({} characters)</span></summary>'
+            '<span class="size">({} characters)</span></summary> '
             '<span class="string">{}</span></details>'
         ).format(text[: PREVIEW + 1], len(value), text)
     kind = "string" if isinstance(value, str) else "literal"
@@ -58,7 +58,7 @@ def _container(opening: str, closing: str, items: list[Markup], depth: int, size
     end = Markup("{}{}").format(_INDENT * depth, closing)
     if len(items) > MANY_ITEMS:
         return Markup(
-            '<details class="fold"><summary>{} <span class="size">{}</span> {}</summary>'
-            "{}\n{}</details>"
+            '<details class="fold"><summary>{} <span class="size">{}</span>'
+            '<span class="closing"> {}</span></summary>\n{}\n{}</details>'
         ).format(opening, size, closing, body, end)
     return Markup("{}\n{}\n{}").format(opening, body, end)

@@ -96,6 +96,7 @@ def overview_data(dash: Dashboard) -> dict[str, Any]:
         )
     return {
         "generated_at": now.isoformat(),
+        "updated": now.strftime("%H:%M:%S UTC"),
         "minutes": [int(minute.timestamp()) for minute in minutes],
         "queues": queues,
     }

@@ -89,7 +89,8 @@
       }
     });
     empty.hidden = data.queues.length > 0;
-    stamp.textContent = data.generated_at;
+    stamp.textContent = data.updated;
+    stamp.setAttribute("datetime", data.generated_at);
   }
 
   function refresh() {
