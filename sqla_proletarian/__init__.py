@@ -16,7 +16,20 @@ from sqla_proletarian.errors import (
     UnknownJobTypeError,
 )
 from sqla_proletarian.handlers import AsyncJobContext, JobContext, JobHandlers
-from sqla_proletarian.inspection import FailedJob, QueueStatus, failed_jobs, queue_status
+from sqla_proletarian.inspection import (
+    JOB_STATES,
+    FailedJob,
+    FinishedMinute,
+    JobDetail,
+    JobInfo,
+    JobPage,
+    QueueStatus,
+    failed_jobs,
+    finished_per_minute,
+    get_job,
+    list_jobs,
+    queue_status,
+)
 from sqla_proletarian.maintenance import prune_archive, retry_failed
 from sqla_proletarian.models import (
     DEFAULT_QUEUE,
@@ -63,6 +76,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_QUEUE",
+    "JOB_STATES",
     "MAX_PRIORITY",
     "MIN_PRIORITY",
     "ArchivedJob",
@@ -70,12 +84,16 @@ __all__ = [
     "AsyncQueueWorker",
     "ConfigurationError",
     "FailedJob",
+    "FinishedMinute",
     "InvalidJobError",
     "InvalidRetryStrategyError",
     "Job",
     "JobContext",
     "JobCrashedError",
+    "JobDetail",
     "JobHandlers",
+    "JobInfo",
+    "JobPage",
     "JobRun",
     "JsonSerializer",
     "NotATransactionError",
@@ -97,7 +115,10 @@ __all__ = [
     "enqueue_many",
     "enqueue_many_async",
     "failed_jobs",
+    "finished_per_minute",
+    "get_job",
     "include_object",
+    "list_jobs",
     "metadata",
     "pause_queue",
     "paused_queues",

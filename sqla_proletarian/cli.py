@@ -491,6 +491,34 @@ def prune(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def dashboard(args: argparse.Namespace) -> int:
+    from sqla_proletarian.dashboard import create_dashboard
+    from sqla_proletarian.dashboard.server import create_server, server_url
+
+    with _database(args) as engine:
+        _check_tables(engine)
+        app = create_dashboard(engine, read_only=args.read_only)
+        try:
+            server = create_server(app, args.host, args.port)
+        except OSError as exc:
+            raise ProletarianError(
+                f"cannot listen on {args.host}:{args.port} ({exc.strerror or exc}): give "
+                "another --port, or stop what uses this one"
+            ) from None
+        with server:
+            mode = " (read-only)" if args.read_only else ""
+            print(f"dashboard at {server_url(server)}{mode}; Ctrl-C stops it", flush=True)
+            if args.host not in ("127.0.0.1", "localhost", "::1"):
+                _error(
+                    "dashboard",
+                    f"warning: listening on {args.host}: the dashboard has no login of its "
+                    "own, so anyone who reaches this port can use it",
+                )
+            with contextlib.suppress(KeyboardInterrupt):
+                server.serve_forever()
+    return EXIT_OK
+
+
 # --- the table of commands -------------------------------------------------------------------
 
 
@@ -563,6 +591,11 @@ RETRY_ARGUMENTS = (
 PRUNE_ARGUMENTS = (
     arg("--older-than", required=True, metavar="DURATION", help="30d, 12h, 90m, 45s, ..."),
     arg("--status", choices=("success", "failure", "cancelled"), help="only jobs that ended so"),
+)
+DASHBOARD_ARGUMENTS = (
+    arg("--host", default="127.0.0.1", help="the address to listen on (127.0.0.1: this machine)"),
+    arg("--port", type=int, default=8080, help="the port (8080; 0: any free one)"),
+    arg("--read-only", action="store_true", help="show the queues, offer no action"),
 )
 
 
@@ -669,6 +702,16 @@ COMMANDS: tuple[Command, ...] = (
         f"{PROG} prune --older-than 30d --status success",
         PRUNE_ARGUMENTS,
         prune,
+    ),
+    Command(
+        "dashboard",
+        "serve the web dashboard of the queues (on 127.0.0.1 unless --host says otherwise)",
+        f"{PROG} dashboard --port 8080 --read-only",
+        DASHBOARD_ARGUMENTS,
+        dashboard,
+        "Needs Jinja2 (pip install 'sqla-proletarian[dashboard]'). It has no login of its\n"
+        "own: keep it on 127.0.0.1 and reach it through an SSH tunnel, or mount\n"
+        "create_dashboard() in your app behind its login (docs/dashboard.md).",
     ),
 )
 

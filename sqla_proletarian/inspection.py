@@ -8,21 +8,40 @@ grouped in the database; no table is loaded into Python.
 
 from __future__ import annotations
 
+import base64
+import binascii
+import json
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import Connection, Engine
 
 from sqla_proletarian import ledger
 from sqla_proletarian import statements as sql
 from sqla_proletarian.dialects import Dialect, dialect_of
-from sqla_proletarian.errors import ConfigurationError
+from sqla_proletarian.errors import ConfigurationError, ProletarianError
 from sqla_proletarian.values import Clock, check_name, utc_now
 
-__all__ = ["DEFAULT_FAILED_LIMIT", "FailedJob", "QueueStatus", "failed_jobs", "queue_status"]
+__all__ = [
+    "DEFAULT_FAILED_LIMIT",
+    "DEFAULT_PAGE_SIZE",
+    "JOB_STATES",
+    "FailedJob",
+    "FinishedMinute",
+    "JobDetail",
+    "JobInfo",
+    "JobPage",
+    "QueueStatus",
+    "failed_jobs",
+    "finished_per_minute",
+    "get_job",
+    "list_jobs",
+    "queue_status",
+]
 
 #: How many failures ``failed_jobs`` returns unless told otherwise.
 DEFAULT_FAILED_LIMIT = 100
@@ -193,3 +212,287 @@ def _advisory_tag(owner: str) -> tuple[int, int] | None:
         return sql.advisory_lock_tag(owner)
     except ValueError:  # not an owner token this library wrote
         return None
+
+
+# --- browsing jobs: keyset pages, one job by id, what finished minute by minute -------------
+
+#: The states a job can be listed by: in the queue (``ready``: due and not running;
+#: ``scheduled``: due later; ``running``: claimed by a live worker) or in the archive.
+JOB_STATES = ("ready", "scheduled", "running", "succeeded", "failed", "cancelled")
+#: How many jobs ``list_jobs`` returns unless told otherwise, and the most at once.
+DEFAULT_PAGE_SIZE = 50
+MAX_PAGE_SIZE = 1000
+#: The most minutes ``finished_per_minute`` counts back.
+MAX_MINUTES = 24 * 60
+
+#: The archive's status of each archived state, and back.
+_ARCHIVED_STATES = {"succeeded": "success", "failed": "failure", "cancelled": "cancelled"}
+_STATE_OF_STATUS = {status: state for state, status in _ARCHIVED_STATES.items()}
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """A job as a list shows it, without its payload. ``state`` is one of ``JOB_STATES``;
+    ``finished_at`` and ``error`` are set once it is archived."""
+
+    job_id: uuid.UUID
+    queue: str
+    job_type: str
+    state: str
+    attempts: int
+    enqueued_at: datetime
+    process_at: datetime
+    finished_at: datetime | None
+    error: str | None
+
+
+@dataclass(frozen=True)
+class JobDetail(JobInfo):
+    """One job with its payload (the stored text)."""
+
+    payload: str
+
+
+@dataclass(frozen=True)
+class JobPage:
+    """A page of ``list_jobs``: its jobs, and the ``after`` of the next page (None on the
+    last one)."""
+
+    jobs: tuple[JobInfo, ...]
+    next_cursor: str | None
+
+
+@dataclass(frozen=True)
+class FinishedMinute:
+    """The jobs of one queue archived in one minute (``minute`` is its start, UTC)."""
+
+    queue: str
+    minute: datetime
+    succeeded: int
+    failed: int
+
+
+def list_jobs(
+    bind: Engine | Connection,
+    state: str,
+    *,
+    queue: str | None = None,
+    job_type: str | None = None,
+    after: str | None = None,
+    limit: int = DEFAULT_PAGE_SIZE,
+    clock: Clock = utc_now,
+) -> JobPage:
+    """A page of the jobs in one state, optionally of one queue and one job type.
+
+    Queued jobs come in the order workers claim them, queue by queue; archived ones newest
+    first. ``after`` is the ``next_cursor`` of the page before. Every page is one range of
+    an index per queue it spans (the poll index, or the archive's ``finished_at`` index),
+    never an OFFSET, so page 1,000 costs what page 1 does. Running and ready are told
+    apart as ``queue_status`` does, without taking a lock.
+    """
+    if state not in JOB_STATES:
+        raise ConfigurationError(f"state={state!r}: give one of {', '.join(JOB_STATES)}")
+    if queue is not None:
+        check_name("queue", queue)
+    if job_type is not None:
+        check_name("job_type", job_type)
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE_SIZE:
+        raise ConfigurationError(
+            f"limit={limit!r}: give a whole number of jobs from 1 to {MAX_PAGE_SIZE} "
+            f"(default {DEFAULT_PAGE_SIZE})"
+        )
+    archived = state in _ARCHIVED_STATES
+    key = _read_cursor(after, archived)
+    with _reading(bind, "list_jobs") as conn:
+        if archived:
+            statement = sql.archived_jobs(
+                _ARCHIVED_STATES[state], limit + 1, queue=queue, job_type=job_type, after=key
+            )
+            rows = conn.execute(*statement).all()
+            jobs = [_archived_info(row) for row in rows[:limit]]
+            more = len(rows) > limit
+            last = (jobs[-1].finished_at, jobs[-1].job_id) if more else None
+            return JobPage(tuple(jobs), _write_cursor(last) if last else None)
+        now = clock()
+        live = sorted(_live_owners(dialect_of(conn), conn, _run_owners(conn)))
+        if state == "running":
+            found = _running_rows(conn, live, queue, job_type, key, limit + 1)
+        else:
+            found = _queued_rows(conn, state == "ready", now, live, queue, job_type, key, limit)
+    rows = found[:limit]
+    queued = [_queued_info(row, state) for row in rows]
+    more = len(found) > limit
+    cursor = _write_cursor((rows[-1].queue, rows[-1].process_at, rows[-1].seq)) if more else None
+    return JobPage(tuple(queued), cursor)
+
+
+def get_job(
+    bind: Engine | Connection, job_id: uuid.UUID | str, *, clock: Clock = utc_now
+) -> JobDetail | None:
+    """The job of this id, queued or archived, with its payload; None when there is none."""
+    try:
+        wanted = job_id if isinstance(job_id, uuid.UUID) else uuid.UUID(job_id)
+    except (TypeError, ValueError, AttributeError):
+        raise ConfigurationError(f"{job_id!r} is not a job id; give a UUID") from None
+    with _reading(bind, "get_job") as conn:
+        row = conn.execute(*sql.queued_job(wanted)).one_or_none()
+        if row is None:
+            archived = conn.execute(*sql.archived_job(wanted)).one_or_none()
+            if archived is None:
+                return None
+            return JobDetail(**vars(_archived_info(archived)), payload=archived.payload)
+        owners = {run.owner for run in conn.execute(*sql.runs_of(wanted))}
+        if _live_owners(dialect_of(conn), conn, owners):
+            state = "running"
+        else:
+            state = "ready" if row.process_at <= clock() else "scheduled"
+    return JobDetail(**vars(_queued_info(row, state)), payload=row.payload)
+
+
+def finished_per_minute(
+    bind: Engine | Connection, *, minutes: int = 60, clock: Clock = utc_now
+) -> list[FinishedMinute]:
+    """Per queue and minute, the jobs archived as succeeded and as failed over the last
+    ``minutes`` minutes (the current one included), sorted by queue and minute; minutes in
+    which a queue archived nothing are left out."""
+    if isinstance(minutes, bool) or not isinstance(minutes, int) or not 1 <= minutes <= MAX_MINUTES:
+        raise ConfigurationError(
+            f"minutes={minutes!r}: give a whole number of minutes from 1 to {MAX_MINUTES}"
+        )
+    now = clock()
+    current = now.replace(second=0, microsecond=0)
+    starts = [current - timedelta(minutes=minutes - 1 - index) for index in range(minutes)]
+    ends = [*starts[1:], now]
+    counts: dict[tuple[str, int], list[int]] = {}
+    with _reading(bind, "finished_per_minute") as conn:
+        for row in conn.execute(*sql.finished_by_minute(starts[0], ends)):
+            tally = counts.setdefault((row.queue, int(row.minute)), [0, 0])
+            tally[0 if row.status == "success" else 1] += int(row.jobs)
+    return [
+        FinishedMinute(queue, starts[index], succeeded, failed)
+        for (queue, index), (succeeded, failed) in sorted(counts.items())
+    ]
+
+
+def _run_owners(conn: Connection) -> set[str | None]:
+    return {row.owner for row in conn.execute(*sql.claimed_runs())}
+
+
+def _queued_rows(
+    conn: Connection,
+    due: bool,
+    now: datetime,
+    live: list[str],
+    queue: str | None,
+    job_type: str | None,
+    key: tuple[Any, ...] | None,
+    limit: int,
+) -> list[Any]:
+    """Up to ``limit`` + 1 queued rows from ``key`` on: one queue, or queue after queue,
+    each read through the poll index from where the key (or the queue) starts."""
+    rows: list[Any] = []
+    current = queue if queue is not None else (key[0] if key else _next_queue(conn, None))
+    after = (key[1], key[2]) if key and key[0] == current else None
+    while current is not None and len(rows) <= limit:
+        statement = sql.queued_jobs(
+            current,
+            now,
+            limit + 1 - len(rows),
+            due=due,
+            after=after,
+            job_type=job_type,
+            live_owners=live if due else None,
+        )
+        rows.extend(conn.execute(*statement).all())
+        if queue is not None:
+            break
+        current, after = _next_queue(conn, current), None
+    return rows
+
+
+def _next_queue(conn: Connection, after: str | None) -> str | None:
+    found: str | None = conn.execute(*sql.next_queue(after)).scalar()
+    return found
+
+
+def _running_rows(
+    conn: Connection,
+    live: list[str],
+    queue: str | None,
+    job_type: str | None,
+    key: tuple[Any, ...] | None,
+    limit: int,
+) -> list[Any]:
+    """The running jobs (few: one per claimed job of a live worker) from ``key`` on."""
+    if not live:
+        return []
+    held = [row.job_id for row in conn.execute(*sql.held_jobs(live))]
+    if not held:
+        return []
+    rows = conn.execute(*sql.jobs_by_id(held, queue=queue, job_type=job_type)).all()
+    ordered = sorted(rows, key=lambda row: (row.queue, row.process_at, row.seq))
+    if key is not None:
+        ordered = [row for row in ordered if (row.queue, row.process_at, row.seq) > key]
+    return ordered[:limit]
+
+
+def _queued_info(row: Any, state: str) -> JobInfo:
+    return JobInfo(
+        job_id=row.job_id,
+        queue=row.queue,
+        job_type=row.job_type,
+        state=state,
+        attempts=row.attempts,
+        enqueued_at=row.enqueued_at,
+        process_at=row.process_at,
+        finished_at=None,
+        error=None,
+    )
+
+
+def _archived_info(row: Any) -> JobInfo:
+    return JobInfo(
+        job_id=row.job_id,
+        queue=row.queue,
+        job_type=row.job_type,
+        state=_STATE_OF_STATUS.get(row.status, row.status),
+        attempts=row.attempts,
+        enqueued_at=row.enqueued_at,
+        process_at=row.process_at,
+        finished_at=row.finished_at,
+        error=row.error,
+    )
+
+
+def _write_cursor(key: tuple[Any, ...]) -> str:
+    """A page's key as an opaque, URL-safe string."""
+    parts = [part.isoformat() if isinstance(part, datetime) else str(part) for part in key]
+    text = json.dumps(parts, separators=(",", ":"))
+    return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+
+def _read_cursor(cursor: str | None, archived: bool) -> tuple[Any, ...] | None:
+    """The key of a ``next_cursor``: (finished_at, job_id) of the archive's lists, else
+    (queue, process_at, seq)."""
+    if cursor is None:
+        return None
+    try:
+        if not isinstance(cursor, str):
+            raise TypeError
+        parts = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+        if archived:
+            at, job_id = parts
+            return (_aware(datetime.fromisoformat(at)), uuid.UUID(job_id))
+        queue, at, seq = parts
+        return (check_name("queue", queue), _aware(datetime.fromisoformat(at)), int(seq))
+    except (TypeError, ValueError, binascii.Error, ProletarianError):
+        raise ConfigurationError(
+            f"after={cursor!r} is not a cursor of this list: pass the next_cursor of a "
+            "page of the same state, or None for the first page"
+        ) from None
+
+
+def _aware(value: datetime) -> datetime:
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise ValueError("naive time in a cursor")
+    return value

@@ -8,17 +8,19 @@ import textwrap
 import uuid
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import sqlalchemy as sa
-from conftest import Database
 from helpers import T0, FakeClock, archived, archived_job, count, enqueue_committed, run_records
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import Session
 
 import sqla_proletarian as sp
 from sqla_proletarian.testing import DrainLimitError, EnqueuedJob, drain, enqueued_jobs
+
+if TYPE_CHECKING:
+    from conftest import Database
 
 pytest_plugins = ["pytester"]
 
