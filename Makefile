@@ -53,7 +53,10 @@ lint: venv
 PSYCOPG2_TESTS := tests/integration/test_hardening.py tests/integration/test_worker_outcomes.py \
 	tests/integration/test_batches.py tests/integration/test_wakeups.py
 
+# The dashboard's browser tests need Debian's chromium and chromium-driver: installed here when
+# missing (as root); without them the browser tests skip, and fail under CI.
 test: venv lint $(VENV_SQLA_OLDEST)/.installed.stamp
+	-bash scripts/browser.sh
 	$(call with_testdb,$(VENV)/bin/pytest tests -q && \
 		SP_TEST_BACKENDS=postgresql SP_TEST_POSTGRESQL_DRIVER=psycopg2 \
 		$(VENV)/bin/pytest $(PSYCOPG2_TESTS) -q && \

@@ -81,8 +81,8 @@ def test_enqueue_status_worker_failed_retry_failed_and_prune_work_a_queue_end_to
         header, *lines = table.stdout.splitlines()
         assert header.split()[:4] == ["QUEUE", "READY", "SCHEDULED", "RUNNING"]
         assert [line.split() for line in lines] == [
-            ["default", "0", "0", "0", "-", "1", "1"],
-            ["later", "0", "1", "0", "-", "0", "0"],
+            ["default", "0", "0", "0", "-", "1", "1", "-", "-"],
+            ["later", "0", "1", "0", "-", "0", "0", "-", "0:1"],
         ]
 
     retried = cli("retry-failed", str(failing), str(uuid.uuid4()), "--url", url)
@@ -103,6 +103,8 @@ def test_enqueue_status_worker_failed_retry_failed_and_prune_work_a_queue_end_to
         "oldest_ready_age_s": None,
         "succeeded_last_hour": 0,
         "failed_last_hour": 0,
+        "paused": False,
+        "by_priority": {"0": 1},
     }
 
     pruned = cli("prune", "--older-than", "0s", "--status", "success", "--url", url)

@@ -74,7 +74,9 @@ def test_queue_status_counts_ready_scheduled_and_the_last_hour_per_queue(
     assert (default.ready, default.scheduled, default.running) == (2, 1, 0)
     assert default.oldest_ready_age_s == pytest.approx(30, abs=0.01)
     assert (default.succeeded_last_hour, default.failed_last_hour) == (1, 1)
-    assert by_queue(statuses)["billing"] == sp.QueueStatus("billing", 0, 1, 0, None, 0, 0)
+    assert default.by_priority == {0: 3} and not default.paused
+    billing = sp.QueueStatus("billing", 0, 1, 0, None, 0, 0, by_priority={0: 1})
+    assert by_queue(statuses)["billing"] == billing
     assert by_queue(statuses)["recent"] == sp.QueueStatus("recent", 0, 0, 0, None, 0, 1)
     with engine.connect() as conn:
         assert sp.queue_status(conn, clock=lambda: now) == statuses
