@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
+from math import cos, sin
 from pathlib import Path
 from typing import Any
 
@@ -184,12 +185,11 @@ def fill_like_a_day_at_work(engine: sa.Engine) -> None:
     rows = []
     for minute in range(60):
         when = now - timedelta(minutes=minute, seconds=5)
-        rows += [("mail", "send-welcome-email", "success", when)] * (3 + minute % 7)
-        rows += [("billing", "charge-card", "success", when)] * (1 + minute % 3)
+        rows += [("mail", "send-welcome-email", "success", when)] * round(6 + 4 * sin(minute / 7))
+        rows += [("billing", "charge-card", "success", when)] * round(3 + 2 * cos(minute / 9))
         if minute % 9 == 2:
             rows.append(("billing", "charge-card", "failure", when))
-        if minute % 4 == 0:
-            rows.append(("crm", "sync-to-crm", "success", when))
+        rows += [("crm", "sync-to-crm", "success", when)] * (minute // 20)
     archive(engine, *rows)
 
 
