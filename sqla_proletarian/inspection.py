@@ -322,7 +322,8 @@ def list_jobs(
     rows = found[:limit]
     queued = [_queued_info(row, state) for row in rows]
     more = len(found) > limit
-    cursor = _write_cursor((rows[-1].queue, rows[-1].process_at, rows[-1].seq)) if more else None
+    last_row = rows[-1] if more else None
+    cursor = _write_cursor(_queued_key(last_row)) if last_row is not None else None
     return JobPage(tuple(queued), cursor)
 
 
@@ -392,7 +393,7 @@ def _queued_rows(
     each read through the poll index from where the key (or the queue) starts."""
     rows: list[Any] = []
     current = queue if queue is not None else (key[0] if key else _next_queue(conn, None))
-    after = (key[1], key[2]) if key and key[0] == current else None
+    after = (key[1], key[2], key[3]) if key and key[0] == current else None
     while current is not None and len(rows) <= limit:
         statement = sql.queued_jobs(
             current,
@@ -430,10 +431,15 @@ def _running_rows(
     if not held:
         return []
     rows = conn.execute(*sql.jobs_by_id(held, queue=queue, job_type=job_type)).all()
-    ordered = sorted(rows, key=lambda row: (row.queue, row.process_at, row.seq))
+    ordered = sorted(rows, key=_queued_key)
     if key is not None:
-        ordered = [row for row in ordered if (row.queue, row.process_at, row.seq) > key]
+        ordered = [row for row in ordered if _queued_key(row) > key]
     return ordered[:limit]
+
+
+def _queued_key(row: Any) -> tuple[str, int, datetime, int]:
+    """Where a queued job stands in its list: queue by queue, in the order workers claim."""
+    return (row.queue, int(row.run_order), row.process_at, int(row.seq))
 
 
 def _queued_info(row: Any, state: str) -> JobInfo:
@@ -473,7 +479,7 @@ def _write_cursor(key: tuple[Any, ...]) -> str:
 
 def _read_cursor(cursor: str | None, archived: bool) -> tuple[Any, ...] | None:
     """The key of a ``next_cursor``: (finished_at, job_id) of the archive's lists, else
-    (queue, process_at, seq)."""
+    (queue, run_order, process_at, seq)."""
     if cursor is None:
         return None
     try:
@@ -483,8 +489,13 @@ def _read_cursor(cursor: str | None, archived: bool) -> tuple[Any, ...] | None:
         if archived:
             at, job_id = parts
             return (_aware(datetime.fromisoformat(at)), uuid.UUID(job_id))
-        queue, at, seq = parts
-        return (check_name("queue", queue), _aware(datetime.fromisoformat(at)), int(seq))
+        queue, order, at, seq = parts
+        return (
+            check_name("queue", queue),
+            int(order),
+            _aware(datetime.fromisoformat(at)),
+            int(seq),
+        )
     except (TypeError, ValueError, binascii.Error, ProletarianError):
         raise ConfigurationError(
             f"after={cursor!r} is not a cursor of this list: pass the next_cursor of a "

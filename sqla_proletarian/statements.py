@@ -877,6 +877,7 @@ _LISTED_QUEUED = (
     JOB.c.attempts,
     JOB.c.enqueued_at,
     JOB.c.process_at,
+    JOB.c.run_order,
 )
 _AFTER_AT = bindparam("after_at", type_=JOB.c.process_at.type)
 
@@ -885,10 +886,15 @@ _AFTER_AT = bindparam("after_at", type_=JOB.c.process_at.type)
 def _queued_jobs(due: bool, after: bool, by_type: bool, free: bool) -> Select[Any]:
     conditions: list[Any] = [JOB.c.queue == bindparam("queue"), _DUE if due else ~_DUE]
     if after:
-        # The index range starts at the cursor's time; the rest of the key is a filter
-        # on the few rows of that same time.
-        conditions.append(JOB.c.process_at >= _AFTER_AT)
-        conditions.append((JOB.c.process_at > _AFTER_AT) | (JOB.c.seq > bindparam("after_seq")))
+        # The index range starts at the cursor's priority; the rest of the key is a filter
+        # on the rows of that same priority.
+        order = bindparam("after_order", type_=JOB.c.run_order.type)
+        conditions.append(JOB.c.run_order >= order)
+        conditions.append(
+            (JOB.c.run_order > order)
+            | (JOB.c.process_at > _AFTER_AT)
+            | ((JOB.c.process_at == _AFTER_AT) & (JOB.c.seq > bindparam("after_seq")))
+        )
     if by_type:
         conditions.append(JOB.c.job_type == bindparam("job_type"))
     if free:
@@ -903,7 +909,7 @@ def _queued_jobs(due: bool, after: bool, by_type: bool, free: bool) -> Select[An
     return (
         select(*_LISTED_QUEUED)
         .where(*conditions)
-        .order_by(JOB.c.process_at, JOB.c.seq)
+        .order_by(JOB.c.run_order, JOB.c.process_at, JOB.c.seq)
         .limit(bindparam("limit", type_=BigInteger))
     )
 
@@ -914,16 +920,16 @@ def queued_jobs(
     limit: int,
     *,
     due: bool,
-    after: tuple[datetime, int] | None = None,
+    after: tuple[int, datetime, int] | None = None,
     job_type: str | None = None,
     live_owners: list[str] | None = None,
 ) -> Statement:
     """One queue's jobs due at ``now`` (``due``) or later, in poll order from the key
-    ``after`` (``process_at``, ``seq``) on, through the poll index; ``live_owners`` leaves
-    out the jobs whose run records they own."""
+    ``after`` (``run_order``, ``process_at``, ``seq``) on, through the poll index;
+    ``live_owners`` leaves out the jobs whose run records they own."""
     params: dict[str, Any] = {"queue": queue, "now": now, "limit": limit}
     if after is not None:
-        params["after_at"], params["after_seq"] = after
+        params["after_order"], params["after_at"], params["after_seq"] = after
     if job_type is not None:
         params["job_type"] = job_type
     if live_owners:

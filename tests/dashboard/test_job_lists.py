@@ -62,6 +62,27 @@ def test_ready_jobs_page_through_every_queue_in_claim_order_without_repeats(
         assert sp.list_jobs(conn, "ready", limit=3).jobs == tuple(listed[:3])
 
 
+def test_ready_jobs_list_higher_priorities_first_across_pages(engine: sa.Engine) -> None:
+    """Within a queue the list follows the claim order with priorities: higher first, then
+    due time; pages cut inside one priority and between priorities repeat and skip nothing."""
+    now = sp.utc_now()
+    expected = []
+    with engine.begin() as conn:
+        for index in range(9):
+            priority = (index % 3) - 1  # -1, 0, 1 in turn
+            due = now - timedelta(seconds=60 - index)
+            job_id = sp.enqueue(
+                conn, "work", {"i": index}, priority=priority, clock=lambda d=due: d
+            )
+            expected.append((-priority, due, job_id))
+    expected.sort(key=lambda row: (row[0], row[1]))
+
+    pages = every_page(engine, "ready", limit=2)
+
+    assert [len(page) for page in pages] == [2, 2, 2, 2, 1]
+    assert [job.job_id for page in pages for job in page] == [row[2] for row in expected]
+
+
 def test_archived_jobs_page_newest_first_with_ties_broken_by_id(engine: sa.Engine) -> None:
     """Succeeded and failed jobs are listed apart, newest first; jobs that finished at the
     same instant still come once each across pages; filters narrow them."""
