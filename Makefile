@@ -48,6 +48,11 @@ lint: venv
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 	$(VENV)/bin/mypy --strict sqla_proletarian
 
+# The suite runs in PARALLEL pytest-xdist workers (each test has a database of its own), but
+# for the tests that stop, restart or starve the shared servers, which run alone after it.
+PARALLEL ?= 4
+SERIAL_TESTS := tests/faults tests/integration/test_database_restart.py
+
 # The whole suite; then the worker's conformance tests again through psycopg2 (what a plain
 # postgresql:// URL uses), and a subset on the oldest SQLAlchemy claimed.
 PSYCOPG2_TESTS := tests/integration/test_hardening.py tests/integration/test_worker_outcomes.py \
@@ -57,9 +62,10 @@ PSYCOPG2_TESTS := tests/integration/test_hardening.py tests/integration/test_wor
 # missing (as root); without them the browser tests skip, and fail under CI.
 test: venv lint $(VENV_SQLA_OLDEST)/.installed.stamp
 	-bash scripts/browser.sh
-	$(call with_testdb,$(VENV)/bin/pytest tests -q && \
+	$(call with_testdb,$(VENV)/bin/pytest tests -q -n $(PARALLEL) $(SERIAL_TESTS:%=--ignore=%) && \
+		$(VENV)/bin/pytest $(SERIAL_TESTS) -q && \
 		SP_TEST_BACKENDS=postgresql SP_TEST_POSTGRESQL_DRIVER=psycopg2 \
-		$(VENV)/bin/pytest $(PSYCOPG2_TESTS) -q && \
+		$(VENV)/bin/pytest $(PSYCOPG2_TESTS) -q -n $(PARALLEL) && \
 		$(SQLA_OLDEST_RUN))
 
 # The oldest SQLAlchemy that pyproject.toml claims, in a venv of its own: the unit tests and
@@ -78,7 +84,7 @@ $(VENV_SQLA_OLDEST)/.installed.stamp: pyproject.toml
 SQLA_OLDEST_RUN = $(VENV_SQLA_OLDEST)/bin/python -c \
 	"import sqlalchemy as sa; print('SQLAlchemy', sa.__version__); \
 	assert sa.__version__ == '$(SQLA_OLDEST)'" && \
-	$(VENV_SQLA_OLDEST)/bin/pytest $(SQLA_OLDEST_TESTS) -q
+	$(VENV_SQLA_OLDEST)/bin/pytest $(SQLA_OLDEST_TESTS) -q -n $(PARALLEL)
 
 test-sqla-oldest: $(VENV_SQLA_OLDEST)/.installed.stamp
 	$(call with_testdb,$(SQLA_OLDEST_RUN))
