@@ -69,6 +69,13 @@ def enqueue(
     """
     given = session_or_connection
     session_or_connection = _sync_session_of(session_or_connection)
+    fields: dict[str, Any] = {
+        "queue": queue,
+        "process_at": process_at,
+        "process_in": process_in,
+        "priority": priority,
+        **options,
+    }
     if unique_key is not None:
         if session_or_connection is not given and not isinstance(given, Session):
             raise NotATransactionError(
@@ -76,43 +83,18 @@ def enqueue(
                 "can only do in an awaited call: use `await sp.enqueue_async(session, ..., "
                 "unique_key=...)`"
             )
-        values = build_job_values(
-            job_type,
-            payload,
-            queue=queue,
-            process_at=process_at,
-            process_in=process_in,
-            priority=priority,
-            unique_key=unique_key,
-            **options,
-        )
+        values = build_job_values(job_type, payload, unique_key=unique_key, **fields)
         return enqueue_unique(_connection_of(session_or_connection, "enqueue"), values)
     if isinstance(session_or_connection, scoped_session):
         session_or_connection = session_or_connection()
     if isinstance(session_or_connection, Session):
         _check_session(session_or_connection)
-        job = Job(
-            job_type=job_type,
-            payload=payload,
-            queue=queue,
-            process_at=process_at,
-            process_in=process_in,
-            priority=priority,
-            **options,
-        )
+        job = Job(job_type=job_type, payload=payload, **fields)
         session_or_connection.add(job)
         return job.job_id
     if isinstance(session_or_connection, Connection):
         _check_connection(session_or_connection)
-        values = build_job_values(
-            job_type,
-            payload,
-            queue=queue,
-            process_at=process_at,
-            process_in=process_in,
-            priority=priority,
-            **options,
-        )
+        values = build_job_values(job_type, payload, **fields)
         session_or_connection.execute(*insert_job(values))
         wakeups.enqueued(session_or_connection, {queue})
         job_id: uuid.UUID = values["job_id"]
