@@ -157,13 +157,13 @@ def deep_cursor(engine: sa.Engine, state: str, position: int) -> str:
     with engine.connect() as conn:
         if state == "ready":
             row = conn.execute(
-                sa.select(table.c.queue, table.c.process_at, table.c.seq)
+                sa.select(table.c.queue, table.c.run_order, table.c.process_at, table.c.seq)
                 .where(table.c.queue == "mail", table.c.process_at <= sp.utc_now())
-                .order_by(table.c.process_at, table.c.seq)
+                .order_by(table.c.run_order, table.c.process_at, table.c.seq)
                 .offset(position - 1)
                 .limit(1)
             ).one()
-            return inspection._write_cursor((row.queue, row.process_at, row.seq))
+            return inspection._write_cursor(inspection._queued_key(row))
         row = conn.execute(
             sa.select(table.c.finished_at, table.c.job_id)
             .where(table.c.status == "failure")

@@ -90,6 +90,23 @@ class FailedJob:
     error: str | None
 
 
+@dataclass
+class _QueueCounts:
+    """One queue's counts, summed over its priorities."""
+
+    due: int = 0
+    scheduled: int = 0
+    oldest_due: datetime | None = None
+
+    def add(self, row: Any) -> None:
+        self.due += int(row.due)
+        self.scheduled += int(row.scheduled)
+        if row.oldest_due is not None and (
+            self.oldest_due is None or row.oldest_due < self.oldest_due
+        ):
+            self.oldest_due = row.oldest_due
+
+
 def queue_status(bind: Engine | Connection, *, clock: Clock = utc_now) -> list[QueueStatus]:
     """Every queue that has jobs, archived some in the last hour, or is paused, sorted by
     name.
@@ -106,12 +123,14 @@ def queue_status(bind: Engine | Connection, *, clock: Clock = utc_now) -> list[Q
     now = clock()
     with _reading(bind, "queue_status") as conn:
         dialect = dialect_of(conn)
-        counts = {row.queue: row for row in conn.execute(*sql.queue_counts(now))}
+        counts: dict[str, _QueueCounts] = {}
+        by_priority: dict[str, dict[int, int]] = {}
+        for row in conn.execute(*sql.queue_counts(now)):
+            counts.setdefault(row.queue, _QueueCounts()).add(row)
+            jobs = int(row.due) + int(row.scheduled)
+            by_priority.setdefault(row.queue, {})[-int(row.run_order)] = jobs
         finished = {row.queue: row for row in conn.execute(*sql.finished_counts(now - RECENT))}
         paused = set(conn.execute(*sql.paused_names()).scalars())
-        by_priority: dict[str, dict[int, int]] = {}
-        for row in conn.execute(*sql.priority_counts()):
-            by_priority.setdefault(row.queue, {})[-int(row.run_order)] = int(row.jobs)
         claimed = conn.execute(*sql.claimed_runs()).all()
         live = _live_owners(dialect, conn, {row.owner for row in claimed})
         running: dict[str, int] = {}
@@ -395,16 +414,21 @@ def _queued_rows(
     current = queue if queue is not None else (key[0] if key else _next_queue(conn, None))
     after = (key[1], key[2], key[3]) if key and key[0] == current else None
     while current is not None and len(rows) <= limit:
-        statement = sql.queued_jobs(
-            current,
-            now,
-            limit + 1 - len(rows),
-            due=due,
-            after=after,
-            job_type=job_type,
-            live_owners=live if due else None,
-        )
-        rows.extend(conn.execute(*statement).all())
+        # From a cursor: the rest of its priority, then the priorities after it; each read
+        # is one range of the poll index.
+        for where in ({"after": after}, {"beyond": after[0]}) if after else ({},):
+            if len(rows) > limit:
+                break
+            statement = sql.queued_jobs(
+                current,
+                now,
+                limit + 1 - len(rows),
+                due=due,
+                job_type=job_type,
+                live_owners=live if due else None,
+                **where,
+            )
+            rows.extend(conn.execute(*statement).all())
         if queue is not None:
             break
         current, after = _next_queue(conn, current), None

@@ -579,27 +579,18 @@ def _count_if(condition: Any) -> Any:
 
 _QUEUE_COUNTS = select(
     JOB.c.queue,
+    JOB.c.run_order,
     _count_if(_DUE).label("due"),
     _count_if(~_DUE).label("scheduled"),
     func.min(case((_DUE, JOB.c.process_at), else_=null())).label("oldest_due"),
-).group_by(JOB.c.queue)
+).group_by(JOB.c.queue, JOB.c.run_order)
 
 
 def queue_counts(now: datetime) -> Statement:
-    """Per queue: jobs due at ``now``, jobs scheduled later, the oldest due ``process_at``
-    (one pass over the poll index, which holds both columns)."""
+    """Per queue and priority (as its ``run_order``): jobs due at ``now``, jobs scheduled
+    later, the oldest due ``process_at`` (one pass over the poll index, which holds all
+    three columns)."""
     return _QUEUE_COUNTS, {"now": now}
-
-
-_PRIORITY_COUNTS = select(JOB.c.queue, JOB.c.run_order, func.count().label("jobs")).group_by(
-    JOB.c.queue, JOB.c.run_order
-)
-
-
-def priority_counts() -> Statement:
-    """Per queue and priority (as its ``run_order``): how many jobs are queued (the poll
-    index's leading columns)."""
-    return _PRIORITY_COUNTS, {}
 
 
 _PAUSED_NAMES = select(PAUSED.c.queue)
@@ -883,18 +874,17 @@ _AFTER_AT = bindparam("after_at", type_=JOB.c.process_at.type)
 
 
 @cache
-def _queued_jobs(due: bool, after: bool, by_type: bool, free: bool) -> Select[Any]:
+def _queued_jobs(due: bool, after: str | None, by_type: bool, free: bool) -> Select[Any]:
     conditions: list[Any] = [JOB.c.queue == bindparam("queue"), _DUE if due else ~_DUE]
-    if after:
-        # The index range starts at the cursor's priority; the rest of the key is a filter
-        # on the rows of that same priority.
-        order = bindparam("after_order", type_=JOB.c.run_order.type)
-        conditions.append(JOB.c.run_order >= order)
-        conditions.append(
-            (JOB.c.run_order > order)
-            | (JOB.c.process_at > _AFTER_AT)
-            | ((JOB.c.process_at == _AFTER_AT) & (JOB.c.seq > bindparam("after_seq")))
-        )
+    order = bindparam("after_order", type_=JOB.c.run_order.type)
+    if after == "within":
+        # One priority from the cursor on: an equality on it, then a range of the index's
+        # next column (the rest of the key filters the few rows of the cursor's time).
+        conditions.append(JOB.c.run_order == order)
+        conditions.append(JOB.c.process_at >= _AFTER_AT)
+        conditions.append((JOB.c.process_at > _AFTER_AT) | (JOB.c.seq > bindparam("after_seq")))
+    elif after == "beyond":
+        conditions.append(JOB.c.run_order > order)
     if by_type:
         conditions.append(JOB.c.job_type == bindparam("job_type"))
     if free:
@@ -921,20 +911,27 @@ def queued_jobs(
     *,
     due: bool,
     after: tuple[int, datetime, int] | None = None,
+    beyond: int | None = None,
     job_type: str | None = None,
     live_owners: list[str] | None = None,
 ) -> Statement:
-    """One queue's jobs due at ``now`` (``due``) or later, in poll order from the key
-    ``after`` (``run_order``, ``process_at``, ``seq``) on, through the poll index;
-    ``live_owners`` leaves out the jobs whose run records they own."""
+    """One queue's jobs due at ``now`` (``due``) or later, in poll order, through the poll
+    index: all of them, those of the cursor's priority after the key ``after``
+    (``run_order``, ``process_at``, ``seq``), or those of the priorities after ``beyond``
+    (a ``run_order``); ``live_owners`` leaves out the jobs whose run records they own."""
     params: dict[str, Any] = {"queue": queue, "now": now, "limit": limit}
+    mode = None
     if after is not None:
         params["after_order"], params["after_at"], params["after_seq"] = after
+        mode = "within"
+    elif beyond is not None:
+        params["after_order"] = beyond
+        mode = "beyond"
     if job_type is not None:
         params["job_type"] = job_type
     if live_owners:
         params["live"] = live_owners
-    return _queued_jobs(due, after is not None, job_type is not None, bool(live_owners)), params
+    return _queued_jobs(due, mode, job_type is not None, bool(live_owners)), params
 
 
 _FIRST_QUEUE = select(JOB.c.queue).order_by(JOB.c.queue).limit(1)

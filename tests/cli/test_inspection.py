@@ -189,3 +189,19 @@ def test_failed_jobs_lists_archived_failures_newest_first_filtered_and_limited(
         sp.failed_jobs(engine, limit=0)
     with pytest.raises(sp.InvalidJobError, match="queue"):
         sp.failed_jobs(engine, queue="")
+
+
+def test_queue_status_sums_a_queues_priorities_and_finds_its_oldest_ready_job_among_them(
+    engine: sa.Engine,
+) -> None:
+    """Counts are summed over the priorities of a queue, ``by_priority`` holds each (highest
+    first), and the oldest ready job is the oldest of any priority."""
+    now = sp.utc_now()
+    with engine.begin() as conn:
+        sp.enqueue(conn, "work", priority=5, clock=lambda: now - timedelta(seconds=10))
+        sp.enqueue(conn, "work", priority=-1, clock=lambda: now - timedelta(seconds=40))
+        sp.enqueue(conn, "work", priority=-1, process_in=60, clock=lambda: now)
+    [status] = sp.queue_status(engine, clock=lambda: now)
+    assert (status.ready, status.scheduled) == (2, 1)
+    assert status.oldest_ready_age_s == pytest.approx(40, abs=0.01)
+    assert list(status.by_priority.items()) == [(5, 1), (-1, 2)]
