@@ -21,7 +21,7 @@ from benchmarks.job import JOB_TYPE, PAYLOAD_TEXT
 POLL = (
     "SELECT job_id, queue, job_type, payload, attempts, enqueued_at, process_at "
     "FROM proletarian_job WHERE queue = %s AND process_at <= %s "
-    "ORDER BY process_at, seq LIMIT %s FOR UPDATE SKIP LOCKED"
+    "ORDER BY run_order, process_at, seq LIMIT %s FOR UPDATE SKIP LOCKED"
 )
 # Only placeholders in VALUES (...): PyMySQL's executemany then sends one multi-row INSERT.
 ARCHIVE = (
