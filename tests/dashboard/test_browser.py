@@ -29,7 +29,7 @@ import sqla_proletarian as sp
 from sqla_proletarian.dashboard import actions, create_dashboard
 
 webdriver = pytest.importorskip("selenium.webdriver")
-from selenium.common.exceptions import TimeoutException  # noqa: E402
+from selenium.common.exceptions import TimeoutException, WebDriverException  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.remote.webdriver import WebDriver  # noqa: E402
@@ -147,7 +147,16 @@ class Page:
         self.shots.mkdir(parents=True, exist_ok=True)
         self._taken += 1
         path = self.shots / f"{self._taken:02d}-{name}.png"
-        assert self.driver.save_screenshot(str(path)), f"no screenshot {path}"
+        # Chromium can fail a capture that races the page's own redraw ("Node with given
+        # id does not belong to the document"): try again, a few times.
+        for attempt in range(5):
+            try:
+                assert self.driver.save_screenshot(str(path)), f"no screenshot {path}"
+                return path
+            except WebDriverException:
+                if attempt == 4:
+                    raise
+                time.sleep(0.1)
         return path
 
 

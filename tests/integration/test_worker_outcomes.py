@@ -144,7 +144,8 @@ def test_a_retry_strategy_that_raises_or_returns_garbage_does_not_kill_the_worke
     with running(worker):
         assert wait_for(lambda: len(archived(engine)) == 2)
         assert worker.running
-        assert worker.summary() == {"succeeded": 0, "retried": 0, "failed": 2}
+        expected = {"succeeded": 0, "retried": 0, "failed": 2}
+        assert wait_for(lambda: worker.summary() == expected), worker.summary()
     for job_id in (raises, garbage):
         done = archived_job(engine, job_id)
         assert done is not None and (done.status, done.attempts) == ("failure", 1)
