@@ -128,10 +128,22 @@ class Page:
         self.driver.find_element(By.CSS_SELECTOR, css).click()
 
     def follow(self, css: str) -> None:
-        """Click a link or a submit button, and wait for the next page."""
-        old = self.driver.find_element(By.TAG_NAME, "html")
+        """Click a link or a submit button, and wait for the next page: the old page's
+        window has a mark that the new one lacks. (Waiting for the old element to go stale
+        trips over Chromium's "Node with given id does not belong to the document".)"""
+        mark = f"page-{self._taken}-{time.monotonic_ns()}"
+        self.driver.execute_script("window.spPageMark = arguments[0];", mark)
         self.click(css)
-        self.wait_for(expected_conditions.staleness_of(old), what=f"{css} to load a page")
+        self.wait_for(lambda _: self._loaded_other_than(mark), what=f"{css} to load a page")
+
+    def _loaded_other_than(self, mark: str) -> bool:
+        try:
+            state = self.driver.execute_script(
+                "return [window.spPageMark || null, document.readyState];"
+            )
+        except WebDriverException:
+            return False  # between the pages
+        return bool(state[0] != mark and state[1] == "complete")
 
     def wait_for(self, condition: Any, timeout: float = 10, what: str = "") -> Any:
         return WebDriverWait(self.driver, timeout, poll_frequency=0.05).until(condition, what)
