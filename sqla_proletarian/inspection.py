@@ -170,15 +170,7 @@ def failed_jobs(
     limit: int = DEFAULT_FAILED_LIMIT,
 ) -> list[FailedJob]:
     """The archived failures, newest first, optionally of one queue and one job type."""
-    if queue is not None:
-        check_name("queue", queue)
-    if job_type is not None:
-        check_name("job_type", job_type)
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_FAILED_LIMIT:
-        raise ConfigurationError(
-            f"limit={limit!r}: give a whole number of failures from 1 to {MAX_FAILED_LIMIT} "
-            f"(default {DEFAULT_FAILED_LIMIT})"
-        )
+    _check_filters(queue, job_type, limit, "failures", MAX_FAILED_LIMIT, DEFAULT_FAILED_LIMIT)
     with _reading(bind, "failed_jobs") as conn:
         rows = conn.execute(*sql.failed_jobs(limit, queue=queue, job_type=job_type)).all()
     return [
@@ -195,6 +187,20 @@ def failed_jobs(
         )
         for row in rows
     ]
+
+
+def _check_filters(
+    queue: str | None, job_type: str | None, limit: object, what: str, most: int, default: int
+) -> None:
+    """The queue and job type a read is narrowed to, and how many rows it may return."""
+    if queue is not None:
+        check_name("queue", queue)
+    if job_type is not None:
+        check_name("job_type", job_type)
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= most:
+        raise ConfigurationError(
+            f"limit={limit!r}: give a whole number of {what} from 1 to {most} (default {default})"
+        )
 
 
 @contextmanager
@@ -311,15 +317,7 @@ def list_jobs(
     """
     if state not in JOB_STATES:
         raise ConfigurationError(f"state={state!r}: give one of {', '.join(JOB_STATES)}")
-    if queue is not None:
-        check_name("queue", queue)
-    if job_type is not None:
-        check_name("job_type", job_type)
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE_SIZE:
-        raise ConfigurationError(
-            f"limit={limit!r}: give a whole number of jobs from 1 to {MAX_PAGE_SIZE} "
-            f"(default {DEFAULT_PAGE_SIZE})"
-        )
+    _check_filters(queue, job_type, limit, "jobs", MAX_PAGE_SIZE, DEFAULT_PAGE_SIZE)
     archived = state in _ARCHIVED_STATES
     key = _read_cursor(after, archived)
     with _reading(bind, "list_jobs") as conn:
