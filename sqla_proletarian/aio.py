@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import inspect
 import logging
-import random
 import threading
 import uuid
 from collections.abc import Callable, Iterable
@@ -42,13 +41,12 @@ from sqla_proletarian.errors import (
     ProletarianError,
     is_transient,
     polling_error_hint,
-    transient_hint,
 )
 from sqla_proletarian.execution import JobRunner, Outcome, RunSettings, WorkerConnections
 from sqla_proletarian.handlers import AsyncJobContext, JobContext, JobSession
 from sqla_proletarian.logs import log_event
 from sqla_proletarian.values import DEFAULT_QUEUE
-from sqla_proletarian.worker import WorkerOptions, _check_pool, next_backoff, scheduler_for
+from sqla_proletarian.worker import WorkerOptions, _check_pool, scheduler_for, transient_backoff
 
 #: Tasks running jobs at the same time.
 DEFAULT_CONCURRENCY = 1
@@ -504,16 +502,8 @@ class AsyncQueueWorker:
                         await greenlet_spawn(connections.close)
                         connections = None
                     if is_transient(exc):
-                        backoff = next_backoff(backoff)
-                        log_event(
-                            logging.WARNING,
-                            "transient-polling-error",
-                            worker_id=self.worker_id,
-                            error=repr(exc),
-                            retry_in=round(backoff, 3),
-                            hint=transient_hint(exc),
-                        )
-                        await _wait(self._stopping, backoff * random.uniform(0.5, 1.0))
+                        backoff, pause = transient_backoff(self.worker_id, exc, backoff)
+                        await _wait(self._stopping, pause)
                         continue
                     if await self._polling_error(exc):
                         self._stop_itself(exc)

@@ -67,6 +67,20 @@ def next_backoff(previous: float) -> float:
     return min(MAX_TRANSIENT_BACKOFF, max(MIN_TRANSIENT_BACKOFF, previous * 2))
 
 
+def transient_backoff(worker_id: str, exc: Exception, backoff: float) -> tuple[float, float]:
+    """Log a transient polling error; the next backoff, and the jittered pause to take now."""
+    backoff = next_backoff(backoff)
+    log_event(
+        logging.WARNING,
+        "transient-polling-error",
+        worker_id=worker_id,
+        error=repr(exc),
+        retry_in=round(backoff, 3),
+        hint=transient_hint(exc),
+    )
+    return backoff, backoff * random.uniform(0.5, 1.0)
+
+
 def _stop_on_polling_error(exc: Exception) -> bool:
     """The default polling-error handler: stop, as the original does."""
     return True
@@ -435,16 +449,8 @@ class QueueWorker:
                         connections.close()
                         connections = None
                     if is_transient(exc):
-                        backoff = next_backoff(backoff)
-                        log_event(
-                            logging.WARNING,
-                            "transient-polling-error",
-                            worker_id=self.worker_id,
-                            error=repr(exc),
-                            retry_in=round(backoff, 3),
-                            hint=transient_hint(exc),
-                        )
-                        self._stopping.wait(backoff * random.uniform(0.5, 1.0))
+                        backoff, pause = transient_backoff(self.worker_id, exc, backoff)
+                        self._stopping.wait(pause)
                         continue
                     if self._polling_error(exc):
                         self._stop_itself(exc)
