@@ -15,8 +15,10 @@
 set -euo pipefail
 
 STATE="${SP_TESTDB_DIR:-/tmp/sqla-proletarian-testdb}"
-PG_PORT=55432
-MY_PORT=53306
+# Ports: SP_TESTDB_PG_PORT / SP_TESTDB_MY_PORT run a second, private pair beside these
+# (with its own SP_TESTDB_DIR).
+PG_PORT=${SP_TESTDB_PG_PORT:-55432}
+MY_PORT=${SP_TESTDB_MY_PORT:-53306}
 MY_USER=root   # root@127.0.0.1: no password, ALL PRIVILEGES WITH GRANT OPTION
 
 PG_DIR="$STATE/pg"        # data dir: $PG_DIR/data, socket dir: $PG_DIR
@@ -234,6 +236,8 @@ export SP_TEST_POSTGRESQL_URL=postgresql+psycopg://postgres@127.0.0.1:$PG_PORT/p
 export SP_TEST_MARIADB_URL=mysql+pymysql://$MY_USER@127.0.0.1:$MY_PORT/mysql
 export SP_TESTDB_SCRIPT=$SCRIPT
 export SP_TESTDB_DIR=$STATE
+export SP_TESTDB_PG_PORT=$PG_PORT
+export SP_TESTDB_MY_PORT=$MY_PORT
 EOF
 }
 
