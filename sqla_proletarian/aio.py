@@ -32,7 +32,7 @@ from sqlalchemy.ext.asyncio import (
 from sqlalchemy.orm import Session, scoped_session
 from sqlalchemy.util import await_only, greenlet_spawn
 
-from sqla_proletarian import wakeups
+from sqla_proletarian import ledger, wakeups
 from sqla_proletarian.dialects import dialect_of
 from sqla_proletarian.enqueue import _not_a_transaction, enqueue, enqueue_many
 from sqla_proletarian.errors import (
@@ -235,7 +235,12 @@ class AsyncQueueWorker:
             new_lock=_TaskLock,
             unit_name=_task_name,
         )
-        _check_pool(sync_engine, self._runner.connections_per_thread, concurrency)
+        _check_pool(
+            sync_engine,
+            self._runner.connections_per_thread,
+            concurrency,
+            self._runner.shared_connections,
+        )
         self._scheduler = scheduler_for(self._runner.dialect, options)
         self._counts: dict[Outcome, int] = {"succeeded": 0, "retried": 0, "failed": 0}
         self._wakeup = asyncio.Event()
@@ -247,6 +252,7 @@ class AsyncQueueWorker:
         self._shutdown: asyncio.Task[None] | None = None
         self._listener: _Listener | None = None
         self._exception: BaseException | None = None
+        self._keeper: asyncio.Task[None] | None = None
 
     def _settings(self, settings: RunSettings) -> RunSettings:
         """The run settings with the user's functions wrapped: advanced-mode handlers and the
@@ -321,7 +327,16 @@ class AsyncQueueWorker:
             asyncio.create_task(self._work(), name=f"{self.worker_id}-{index}")
             for index in range(self.concurrency)
         ]
+        self._keeper = asyncio.create_task(self._keep_owner(), name=f"{self.worker_id}-owner")
         return self
+
+    async def _keep_owner(self) -> None:
+        """Check the run-record owner's session every ledger.KEEPER_INTERVAL until the worker
+        has stopped, taking it back if it ended."""
+        while not self._stopped.is_set():
+            await _wait(self._stopped, ledger.KEEPER_INTERVAL)
+            if not self._stopped.is_set():
+                await greenlet_spawn(self._runner.keep_owner)
 
     async def stop(self) -> None:
         """Stop polling, let running jobs finish within the timeout, then call on_shutdown.
@@ -425,6 +440,10 @@ class AsyncQueueWorker:
                 logging.INFO, "completed-shutdown", worker_id=self.worker_id, **self.summary()
             )
         finally:
+            if self._keeper is not None:
+                self._keeper.cancel()
+            with contextlib.suppress(Exception):
+                await greenlet_spawn(self._runner.close)
             self._stopped.set()
 
     async def _cancel(self, pending: set[asyncio.Task[None]]) -> None:

@@ -66,16 +66,33 @@ class UnknownJobTypeError(ProletarianError, LookupError):
 
 
 class JobCrashedError(ProletarianError):
-    """A job's runs ended uncleanly (its worker died or lost its connection) too often."""
+    """A job's runs ended uncleanly too often: its worker died with it running, or the
+    database ended the session of its transaction while its handler ran."""
 
-    def __init__(self, job_id: object, unclean_ends: int) -> None:
+    def __init__(self, job_id: object, unclean_ends: int, connection_losses: int = 0) -> None:
         self.job_id = job_id
         self.unclean_ends = unclean_ends
+        self.connection_losses = connection_losses
+        died = unclean_ends - connection_losses
+        causes = []
+        if died:
+            causes.append(f"{died} ended with the worker process that ran it")
+        if connection_losses:
+            causes.append(
+                f"{connection_losses} lost the job's database session while the handler ran, "
+                "though the worker lived: the server ended that one session, most likely for "
+                "an idle-transaction limit (PostgreSQL's idle_in_transaction_session_timeout, "
+                "MariaDB's idle_transaction_timeout) shorter than the job. Raise the limit for "
+                "the worker's sessions, or split the job into shorter ones"
+            )
         super().__init__(
-            f"job {job_id} crashed its worker: {unclean_ends} runs ended without an outcome "
-            "(the worker process died or lost its database connection mid-job), so it was "
-            "archived as failed instead of being run again. Fix the handler, then enqueue "
-            "the job again; raise max_unclean_ends to allow more such runs."
+            f"job {job_id} "
+            + ("crashed its worker" if died else "lost its database session while running")
+            + f": {unclean_ends} runs ended without an outcome "
+            f"({'; '.join(causes)}), so it was archived as failed instead of being run "
+            "again. A restart of the database server, a failover or killed sessions are not "
+            "counted. Fix the cause, then enqueue the job again (retry_failed); raise "
+            "max_unclean_ends to allow more such runs."
         )
 
 

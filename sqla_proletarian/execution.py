@@ -63,6 +63,8 @@ class RunSettings:
     max_unclean_ends: int | None
     #: Jobs claimed in one transaction (SQLite: always 1).
     batch_size: int = 1
+    #: Seconds a run record's owner must stay gone before its run counts (``ledger``).
+    reconnect_grace: float = ledger.OWNER_GRACE
 
 
 @dataclass
@@ -79,6 +81,8 @@ class WorkerConnections:
     _stack: ExitStack
     #: The server's idle-transaction limit where its errors do not name it (for log hints).
     idle_timeout: float | None = None
+    #: The owner keeper's epoch when the claim's records were written.
+    owner_epoch: int = 0
 
     @property
     def records_on(self) -> Connection:
@@ -104,8 +108,8 @@ class _Claim:
 
     job: dict[str, Any]
     past: ledger.Past
-    #: "claimed" until the handler starts, then "running".
-    phase: Literal["claimed", "running"] = "claimed"
+    #: "claimed" until the handler starts, "running" until the claim commits its outcomes.
+    phase: Literal["claimed", "running", "committing"] = "claimed"
     #: Succeeded, and archived with the claim's other successes when it finishes.
     deferred: bool = False
     started: float = field(default_factory=time.monotonic)
@@ -159,6 +163,12 @@ class JobRunner:
         self._database = engine.url.render_as_string(hide_password=True)
         #: The connections of threads (or tasks) whose handler is running, by their id.
         self._in_flight: dict[int, WorkerConnections] = {}
+        #: Holds the runner's owner lock where owners are session locks (see ``ledger``).
+        self._keeper = (
+            ledger.OwnerKeeper(engine, self.dialect, new_lock)
+            if self._separate_ledger and self.dialect.owner_lock in ("advisory", "named")
+            else None
+        )
 
     def now(self) -> datetime:
         return check_aware("clock()", self.settings.clock())
@@ -168,19 +178,43 @@ class JobRunner:
         """Connections a claiming thread holds: its claim's, plus the run ledger's."""
         return 2 if self._separate_ledger else 1
 
+    @property
+    def shared_connections(self) -> int:
+        """Connections the runner holds besides its threads': the owner keeper's."""
+        return 1 if self._keeper is not None else 0
+
+    def keep_owner(self) -> None:
+        """Check that the runner's owner lock is held, taking it back if its session ended
+        (call every ``ledger.KEEPER_INTERVAL`` while the runner works)."""
+        if self._keeper is not None:
+            self._keeper.check()
+
+    def start_keeping_owner(self) -> None:
+        """Check the owner lock from a thread of its own until ``close()``."""
+        if self._keeper is not None:
+            self._keeper.start_checking()
+
+    def close(self) -> None:
+        """Give the runner's owner lock up (after its last claim)."""
+        if self._keeper is not None:
+            self._keeper.close()
+
     def open_connections(self) -> WorkerConnections:
         """The connections a thread claims with; hold them across jobs, close on errors."""
         stack = ExitStack()
         # Take both connections together, one thread at a time, so that threads sharing a
         # small pool wait for it instead of each holding one and waiting forever.
         with self._connect_lock, stack:
+            owner = None
+            if self._keeper is not None:
+                self._keeper.ensure()
+                owner = self._keeper.owner
+            elif self._tracked:
+                owner = ledger.new_owner(self.dialect.owner_lock)
             conn = stack.enter_context(self.dialect.claim_connection(self.engine))
             ledger_conn = None
-            owner = ledger.new_owner(self.dialect.owner_lock) if self._tracked else None
             if self._separate_ledger:
                 ledger_conn = stack.enter_context(self.dialect.ledger_connection(self.engine))
-                ledger.hold(self.dialect.owner_lock, owner, ledger_conn)
-                stack.callback(ledger.release, self.dialect.owner_lock, owner, ledger_conn)
             idle_timeout = self.dialect.idle_timeout(conn)
             record = None
             if self._tracked:
@@ -193,8 +227,12 @@ class JobRunner:
         """Claim and run at most one job; True if a job was claimed."""
         if connections is not None:
             return self._claim_one(connections)
-        with self.open_connections() as opened:
-            return self._claim_one(opened)
+        try:
+            self.start_keeping_owner()
+            with self.open_connections() as opened:
+                return self._claim_one(opened)
+        finally:
+            self.close()
 
     def _claim_one(self, connections: WorkerConnections) -> bool:
         self._clear_orphans(connections)
@@ -268,6 +306,7 @@ class JobRunner:
                 self._give_up(connections)
                 return False
             self._finish_claim(conn, connections, done)
+            claim.phase = "committing"
             conn.commit()
             if connections.record is not None:
                 connections.record.ended()
@@ -331,13 +370,43 @@ class JobRunner:
             queue=self.settings.queue,
         )
         now = self.now()
-        claim = sql.poll(self.settings.queue, now, self._batch_size, with_runs=self._tracked)
-        claims = []
-        for row in conn.execute(*claim).mappings().all():
-            job = dict(row)
-            records = job.pop("runs", 0)
-            past = ledger.past_runs(self.dialect, conn, job["job_id"], records)
-            claims.append(_Claim(job, past, claimed_at=now))
+        held = ledger.held_jobs(self._database) if self._tracked else []
+        claims: list[_Claim] = []
+        # A job whose earlier run may still be going is left alone, and the poll looks past it.
+        for _ in range(3):
+            poll = sql.poll(
+                self.settings.queue,
+                now,
+                self._batch_size,
+                with_runs=self._tracked,
+                excluding=held,
+            )
+            found_held = []
+            for row in conn.execute(*poll).mappings().all():
+                job = dict(row)
+                records = job.pop("runs", 0)
+                past = ledger.past_runs(
+                    self.dialect, conn, job["job_id"], records, self.settings.reconnect_grace
+                )
+                if past.held:
+                    found_held.append(job["job_id"])
+                else:
+                    claims.append(_Claim(job, past, claimed_at=now))
+            if not found_held:
+                break
+            log_event(
+                logging.DEBUG,
+                "jobs-held",
+                worker_id=self.settings.worker_id,
+                queue=self.settings.queue,
+                jobs=len(found_held),
+                hint="an earlier run of these jobs may still be going (its worker lives, or "
+                "lost its session for less than the grace): they run once it has ended",
+            )
+            ledger.hold_jobs(self._database, found_held)
+            held = [*held, *found_held]
+            if claims:
+                break
         # A job whose batch died with its worker runs alone, so that a crash is charged to it.
         suspects = [claim for claim in claims if claim.past.suspect]
         return suspects[:1] if suspects and len(claims) > 1 else claims
@@ -350,6 +419,8 @@ class JobRunner:
             return claims
         job_ids = [claim.job["job_id"] for claim in claims]
         if connections.ledger is not None:
+            if self._keeper is not None:
+                connections.owner_epoch = self._keeper.epoch
             record.begin(connections.ledger, job_ids)
             return claims
         # One connection (SQLite, one job per claim): commit the record, then relock the job.
@@ -370,25 +441,36 @@ class JobRunner:
         _rollback_quietly(connections.conn)
         self._forget(connections)
 
-    def _forget(self, connections: WorkerConnections) -> None:
-        """Remove the thread's run record: on its own connection, else on a fresh one, else
-        later (until then its live owner keeps it from counting)."""
+    def _forget(self, connections: WorkerConnections, *, lost: bool = False) -> None:
+        """Remove the thread's run record (``lost``: take its owner off, so that it counts
+        as an unclean end): on its own connection, else on a fresh one, else later (until
+        then its live owner keeps it from counting)."""
         record = connections.record
         if record is None or not record.run_ids:
             return
+        settle = record.lose if lost else record.forget
         on = connections.records_on
-        if not on.invalidated and record.forget(on):
+        if not on.invalidated and settle(on):
             return
         if self._separate_ledger:
             try:
                 with self.dialect.ledger_connection(self.engine) as fresh:
-                    if record.forget(fresh):
+                    if settle(fresh):
                         return
             except Exception as exc:
                 log_event(logging.DEBUG, "run-record-cleanup-error", error=repr(exc))
         for run_id in record.run_ids.values():
             ledger.add_orphan(self._database, run_id)
         record.ended()
+
+    def _lost_while_running(self, connections: WorkerConnections, claim: _Claim) -> bool:
+        """Whether the claim's connection was lost while a handler ran (not while polling
+        or committing) and the server ended that session alone: the runner's owner session
+        lived on all along, as it does not through a restart, failover or killed sessions."""
+        if claim.phase != "running" or self._keeper is None or connections.ledger is None:
+            return False
+        epoch = connections.owner_epoch
+        return self._keeper.check() and self._keeper.epoch == epoch
 
     def _clear_orphans(self, connections: WorkerConnections) -> None:
         orphans = ledger.take_orphans(self._database)
@@ -438,16 +520,18 @@ class JobRunner:
             self._give_up(connections)
             return True
         if conn.invalidated or is_transient(exc):
-            log_event(
-                logging.ERROR,
-                "job-connection-lost",
-                **fields,
-                error=repr(exc),
-                hint=connection_loss_hint(
-                    exc, time.monotonic() - claim.started, connections.idle_timeout
-                ),
+            counted = self._lost_while_running(connections, claim)
+            hint = connection_loss_hint(
+                exc, time.monotonic() - claim.started, connections.idle_timeout
             )
-            self._give_up(connections)
+            if counted:
+                hint += (
+                    "; the server ended only this job's session while its handler ran, so "
+                    "the run counts as an unclean end (max_unclean_ends)"
+                )
+            log_event(logging.ERROR, "job-connection-lost", **fields, error=repr(exc), hint=hint)
+            _rollback_quietly(conn)
+            self._forget(connections, lost=counted)
             return False
         if driver_error(exc) is not None and not isinstance(exc, sa_exc.DataError):
             # The database refused the worker itself (a missing grant or table): not the
@@ -520,7 +604,7 @@ class JobRunner:
             # The archive's attempts count every run, those that ended uncleanly included.
             runs = job["attempts"] + unclean + 1
             if limit is not None and unclean >= limit:
-                crashed = JobCrashedError(job["job_id"], unclean)
+                crashed = JobCrashedError(job["job_id"], unclean, claim.past.connection_losses)
                 log_event(logging.ERROR, "job-crashed", **fields, unclean_ends=unclean)
                 return self._fail(conn, claim, context, crashed, runs - 1)
             if unclean:

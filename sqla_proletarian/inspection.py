@@ -229,7 +229,7 @@ def _live_owners(dialect: Dialect, conn: Connection, owners: set[str | None]) ->
     if kind == "named":
         holders = conn.execute(*sql.used_locks(named)).one()
         return {owner for owner, holder in zip(named, holders, strict=True) if holder is not None}
-    return {owner for owner in named if not ledger.owner_gone(kind, owner, conn)}
+    return {owner for owner in named if ledger.owner_state(kind, owner, conn) == "alive"}
 
 
 def _advisory_tag(owner: str) -> tuple[int, int] | None:

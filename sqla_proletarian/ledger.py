@@ -16,8 +16,20 @@ Just before a claim's first handler starts, the worker writes the claim's **run 
   job **alone** (a solo record), so a job that crashes its worker is charged from its solo
   runs on, and its batch-mates, finished or not started, never are.
 
-A claim counts the solo records of its job whose owner is gone; a record whose owner lives
-is never counted, since its run is still in flight or being cleaned up. Records of a job
+A claim counts the solo records of its job whose owner is gone, and only once the owner has
+**stayed gone** for ``OWNER_GRACE`` seconds (seen from this process): a server restart, a
+failover or killed sessions end the owner's session while its worker lives, and the worker's
+``OwnerKeeper`` takes the owner lock back within ``KEEPER_INTERVAL``. Until then, and for as
+long as the owner lives, the job is **held**: its earlier run may still be going, so the claim
+leaves the job alone (it neither counts nor runs it). Each runner has one owner, held on a
+connection of the keeper's own.
+
+A live worker whose claim lost its connection while a handler ran, while its owner stayed
+held throughout (so the server ended that one session: an idle-transaction limit), **loses**
+the claim's records: they lose their owner and count like a dead worker's (a solo record is
+an unclean end, a batch's make its jobs run alone), so a job longer than the limit ends
+archived as failed instead of looping. Losses while polling or committing, and losses that
+took the owner's session too (a restart), are not counted. Records of a job
 leave with the job, so the tally is per job and survives any number of crashes. A batch
 costs one record write, not one per job.
 """
@@ -27,12 +39,15 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any, Literal
 
-from sqlalchemy import Connection
+from sqlalchemy import Connection, Engine
 
 from sqla_proletarian import statements as sql
 from sqla_proletarian.dialects import Dialect, OwnerLock
@@ -44,6 +59,15 @@ _process_owner: tuple[int, str] | None = None
 #: the next claim on that database.
 _ORPHANS: dict[str, list[uuid.UUID]] = {}
 _LOCK = threading.Lock()
+#: Seconds a record's owner must stay gone before its run counts as an unclean end: longer
+#: than a live worker takes to notice that its owner's session ended and take it back.
+OWNER_GRACE = 5.0
+#: Seconds between a keeper's checks of its owner's session.
+KEEPER_INTERVAL = 1.0
+#: When this process first saw each owner gone (monotonic), by owner token.
+_GONE_SINCE: dict[str, float] = {}
+#: ``worker_id`` of the records a live worker lost with its connection while a handler ran.
+LOST_CONNECTION = "(connection lost while the handler ran)"
 
 
 def new_owner(kind: OwnerLock) -> str | None:
@@ -79,6 +103,35 @@ def release(kind: OwnerLock, owner: str | None, conn: Connection) -> None:
         conn.execute(*sql.release_owner(kind, owner))
 
 
+#: Seconds a poll leaves out a job found held before looking at its records again.
+HELD_RECHECK = 1.0
+#: Most held jobs one poll leaves out.
+MAX_HELD = 100
+#: Jobs found held, by database: job id -> when to look again (monotonic).
+_HELD: dict[str, dict[uuid.UUID, float]] = {}
+
+
+def hold_jobs(database: str, job_ids: list[uuid.UUID]) -> None:
+    """Leave these jobs out of this process's polls for ``HELD_RECHECK`` seconds."""
+    until = time.monotonic() + HELD_RECHECK
+    with _LOCK:
+        held = _HELD.setdefault(database, {})
+        for job_id in job_ids:
+            held[job_id] = until
+
+
+def held_jobs(database: str) -> list[uuid.UUID]:
+    """The jobs this process's polls leave out now (their earlier runs may still be going)."""
+    now = time.monotonic()
+    with _LOCK:
+        held = _HELD.get(database)
+        if not held:
+            return []
+        for job_id in [job_id for job_id, until in held.items() if until <= now]:
+            del held[job_id]
+        return list(held)[:MAX_HELD]
+
+
 def add_orphan(database: str, run_id: uuid.UUID) -> None:
     """Remember a record to remove before the next claim on ``database``."""
     with _LOCK:
@@ -105,45 +158,173 @@ def _process_alive(pid: int) -> bool:
         return True
 
 
-def owner_gone(kind: OwnerLock, owner: str | None, conn: Connection) -> bool:
-    """Whether the worker that wrote a record is gone (so the record is an unclean end)."""
+OwnerState = Literal["alive", "away", "gone"]
+
+
+def owner_state(
+    kind: OwnerLock, owner: str | None, conn: Connection, grace: float = OWNER_GRACE
+) -> OwnerState:
+    """Whether the worker that wrote a record lives (``alive``), is gone for good (``gone``:
+    its record is an unclean end), or has lost its session for less than ``grace`` seconds
+    (``away``: it may be reconnecting; its run may still be going)."""
     if owner is None or kind == "none":
-        return True
+        return "gone"
     if kind == "process":
         pid_text, _, _ = owner.partition(":")
         if not pid_text.isdigit():
-            return True
+            return "gone"
         if int(pid_text) == os.getpid():
             # This process: its own token lives; another is a dead process's reused pid.
-            return owner != process_owner()
-        return not _process_alive(int(pid_text))
-    return bool(conn.execute(*sql.owner_gone(kind, owner)).scalar())
+            return "alive" if owner == process_owner() else "gone"
+        return "alive" if _process_alive(int(pid_text)) else "gone"
+    now = time.monotonic()
+    if not conn.execute(*sql.owner_gone(kind, owner)).scalar():
+        with _LOCK:
+            _GONE_SINCE.pop(owner, None)
+        return "alive"
+    with _LOCK:
+        for token, since in list(_GONE_SINCE.items()):
+            if now - since > 3600:  # long gone owners' sightings: forgotten
+                del _GONE_SINCE[token]
+        first = _GONE_SINCE.setdefault(owner, now)
+    return "gone" if now - first >= grace else "away"
+
+
+class OwnerKeeper:
+    """A runner's owner: the session lock that marks its run records as a live worker's, held
+    on a connection of the keeper's own, and taken back on a new one when that session ends
+    (a restart, a failover, a killed session) while the worker lives.
+
+    ``epoch`` counts the sessions the owner was held by: a claim that saw it unchanged from
+    its handler's start to its end knows the owner was never away.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        dialect: Dialect,
+        new_lock: Callable[[], AbstractContextManager[Any]] = threading.Lock,
+    ) -> None:
+        self.engine = engine
+        self.dialect = dialect
+        self.kind = dialect.owner_lock
+        self.owner = new_owner(self.kind)
+        self.epoch = 0
+        self._lock = new_lock()
+        self._conn: Connection | None = None
+        self._stack = ExitStack()
+        self._checker: threading.Thread | None = None
+        #: Whether the owner is to be held (from the first ``ensure()`` to ``close()``).
+        self._wanted = False
+        self._closed = threading.Event()
+
+    def ensure(self) -> None:
+        """Hold the owner lock now (before records are written under it)."""
+        with self._lock:
+            self._wanted = True
+            if self._conn is None or self._conn.invalidated:
+                self._connect()
+
+    def check(self) -> bool:
+        """See that the owner's session lives, taking the owner back on a new one if it
+        ended; True if it was held all along (since the last check)."""
+        with self._lock:
+            if not self._wanted:
+                return False
+            if self._conn is not None:
+                try:
+                    self._conn.exec_driver_sql("SELECT 1").scalar()
+                    return True
+                except Exception as exc:
+                    log_event(logging.WARNING, "run-owner-lost", owner=self.owner, error=repr(exc))
+            try:
+                self._connect()
+            except Exception as exc:
+                log_event(logging.DEBUG, "run-owner-reconnect-error", error=repr(exc))
+            return False
+
+    def start_checking(self) -> None:
+        """Check the owner every ``KEEPER_INTERVAL`` from a thread of its own, until
+        ``close()`` (the asyncio worker checks from a task instead)."""
+        if self._checker is not None:
+            return
+        stopped = self._closed = threading.Event()
+
+        def check_until_closed() -> None:
+            while not stopped.wait(KEEPER_INTERVAL):
+                self.check()
+
+        self._checker = threading.Thread(
+            target=check_until_closed, name="sqla-proletarian-owner", daemon=True
+        )
+        self._checker.start()
+
+    def close(self) -> None:
+        """Give the owner lock up: records still under it count once it stays gone."""
+        self._closed.set()
+        self._checker = None
+        with self._lock:
+            self._wanted = False
+            self._disconnect(release=True)
+
+    def _connect(self) -> None:
+        self._disconnect(release=False)
+        stack = ExitStack()
+        with stack:
+            conn = stack.enter_context(self.dialect.ledger_connection(self.engine))
+            hold(self.kind, self.owner, conn)
+            stack.callback(release, self.kind, self.owner, conn)
+            self._stack = stack.pop_all()
+        self._conn = conn
+        self.epoch += 1
+        if self.epoch > 1:
+            log_event(logging.INFO, "run-owner-taken-back", owner=self.owner)
+
+    def _disconnect(self, *, release: bool) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if not release and not conn.invalidated:
+            conn.invalidate()  # its lock may live on the server: let the session end
+        try:
+            self._stack.close()
+        except Exception as exc:
+            log_event(logging.DEBUG, "connection-close-error", error=repr(exc))
 
 
 @dataclass(frozen=True)
 class Past:
-    """What a claim learns from a job's run records: its unclean ends, and whether a batch
-    it was in died (then it runs alone)."""
+    """What a claim learns from a job's run records: its unclean ends (of which
+    ``connection_losses`` lost the job's connection while the handler ran), whether a batch
+    it was in died (then it runs alone), and whether an earlier run may still be going
+    (``held``: the claim leaves the job alone)."""
 
     unclean_ends: int = 0
     suspect: bool = False
+    held: bool = False
+    connection_losses: int = 0
 
 
 CLEAN = Past()
 
 
-def past_runs(dialect: Dialect, conn: Connection, job_id: uuid.UUID, records: int) -> Past:
-    """The dead records of a claimed job; ``records`` (all of them) came with the poll."""
+def past_runs(
+    dialect: Dialect, conn: Connection, job_id: uuid.UUID, records: int, grace: float
+) -> Past:
+    """The dead records of a claimed job; ``records`` (all of them) came with the poll;
+    ``grace``: how long an owner must stay gone."""
     if records == 0:
         return CLEAN
-    dead = [
-        row
-        for row in conn.execute(*sql.runs_of(job_id)).all()
-        if owner_gone(dialect.owner_lock, row.owner, conn)
-    ]
+    dead = []
+    for row in conn.execute(*sql.runs_of(job_id)).all():
+        if owner_state(dialect.owner_lock, row.owner, conn, grace) != "gone":
+            return Past(held=True)
+        dead.append(row)
+    solo = [row for row in dead if not row.batched]
     return Past(
-        unclean_ends=sum(1 for row in dead if not row.batched),
+        unclean_ends=len(solo),
         suspect=any(row.batched for row in dead),
+        connection_losses=sum(1 for row in solo if row.worker_id == LOST_CONNECTION),
     )
 
 
@@ -208,6 +389,21 @@ class ClaimRecords:
         except Exception as exc:
             log_event(logging.WARNING, "run-record-cleanup-error", error=repr(exc))
         self.ended()
+
+    def lose(self, conn: Connection) -> bool:
+        """The claim's connection was lost while a handler ran and this worker lives on:
+        its records lose their owner, and count as a dead worker's would; True if done."""
+        if not self.run_ids:
+            return True
+        try:
+            conn.execute(*sql.lose_runs(list(self.run_ids.values()), LOST_CONNECTION))
+            if conn.in_transaction():
+                conn.commit()
+        except Exception as exc:
+            log_event(logging.WARNING, "run-record-cleanup-error", error=repr(exc))
+            return False
+        self.ended()
+        return True
 
     def forget(self, conn: Connection) -> bool:
         """Remove the records of a claim this live worker gives up; True if they are gone."""

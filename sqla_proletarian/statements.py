@@ -82,24 +82,38 @@ _PAUSED = select(PAUSED.c.queue).where(PAUSED.c.queue == bindparam("queue")).exi
 
 
 @cache
-def _poll(limit: int, with_runs: bool) -> Select[Any]:
+def _poll(limit: int, with_runs: bool, excluding: bool = False) -> Select[Any]:
     columns = (*JOB_COLUMNS, _RUNS) if with_runs else JOB_COLUMNS
-    return (
+    statement = (
         select(*columns)
         .where(JOB.c.queue == bindparam("queue"), JOB.c.process_at <= bindparam("now"), ~_PAUSED)
         .order_by(JOB.c.run_order, JOB.c.process_at, JOB.c.seq)
         .limit(limit)
         .with_for_update(skip_locked=True)
     )
+    if excluding:
+        statement = statement.where(JOB.c.job_id.not_in(bindparam("held", expanding=True)))
+    return statement
 
 
-def poll(queue: str, now: datetime, limit: int = 1, *, with_runs: bool = False) -> Statement:
+def poll(
+    queue: str,
+    now: datetime,
+    limit: int = 1,
+    *,
+    with_runs: bool = False,
+    excluding: list[uuid.UUID] | None = None,
+) -> Statement:
     """Claim up to ``limit`` due jobs of a queue unless it is paused, highest priority first,
     then oldest first, skipping locked ones.
 
     ``with_runs`` adds ``runs``: the job's run records, for counting unclean ends.
+    ``excluding`` leaves out jobs whose earlier run may still be going (``ledger``).
     """
-    return _poll(limit, with_runs), {"queue": queue, "now": now}
+    params: dict[str, Any] = {"queue": queue, "now": now}
+    if excluding:
+        params["held"] = excluding
+    return _poll(limit, with_runs, bool(excluding)), params
 
 
 #: Inline: ``seq`` comes from the server's default, with no ``nextval()`` round trip first
@@ -384,7 +398,7 @@ def start_runs(rows: list[dict[str, Any]], *, unnest: bool = False) -> tuple[Exe
     return _START_RUNS, rows
 
 
-_RUNS_OF = select(RUN.c.run_id, RUN.c.owner, RUN.c.batched).where(
+_RUNS_OF = select(RUN.c.run_id, RUN.c.owner, RUN.c.batched, RUN.c.worker_id).where(
     RUN.c.job_id == bindparam("job_id")
 )
 
@@ -402,7 +416,42 @@ def end_runs_by_id(run_ids: list[uuid.UUID]) -> Statement:
     return _END_RUNS_BY_ID, {"ids": run_ids}
 
 
+_LOSE_RUNS = (
+    update(RUN)
+    .where(RUN.c.run_id.in_(bindparam("ids", expanding=True)))
+    .values(owner=None, worker_id=bindparam("why"))
+)
+
+
+def lose_runs(run_ids: list[uuid.UUID], why: str) -> Statement:
+    """Take the owner off run records whose run lost its connection while the handler ran,
+    so that they count as a dead worker's (``why`` replaces the worker's name)."""
+    return _LOSE_RUNS, {"ids": run_ids, "why": why}
+
+
 # --- owners of run records: locks that live as long as the worker's session ----------------
+
+_PG_LOCKS = table(
+    "pg_locks",
+    column("locktype"),
+    column("database"),
+    column("classid"),
+    column("objid"),
+    column("objsubid"),
+    column("granted"),
+)
+_PG_DATABASE = table("pg_database", column("oid"), column("datname"))
+#: An advisory lock on a bigint key, held in this database (pg_locks shows its two halves).
+_ADVISORY_HERE = (
+    _PG_LOCKS.c.locktype == literal("advisory"),
+    _PG_LOCKS.c.objsubid == literal(1),
+    _PG_LOCKS.c.granted.is_(true()),
+    _PG_LOCKS.c.database
+    == select(_PG_DATABASE.c.oid)
+    .where(_PG_DATABASE.c.datname == func.current_database())
+    .scalar_subquery(),
+)
+_ADVISORY_LOCKS_HELD = select(_PG_LOCKS.c.classid, _PG_LOCKS.c.objid).where(*_ADVISORY_HERE)
 
 _KEY = bindparam("key", type_=BigInteger)
 _NAME = bindparam("name", type_=String(64))
@@ -411,9 +460,15 @@ _RELEASE = {
     "advisory": select(func.pg_advisory_unlock(_KEY)),
     "named": select(func.release_lock(_NAME)),
 }
+_HI = bindparam("hi", type_=BigInteger)
+_LO = bindparam("lo", type_=BigInteger)
 #: True (PostgreSQL) or 1 (MySQL) when nobody holds the lock: its owner's session is gone.
+#: Both only look: taking the lock to test it (pg_try_advisory_xact_lock) would make a dead
+#: owner look alive to every other claim until the testing one ends.
 _FREE = {
-    "advisory": select(func.pg_try_advisory_xact_lock(_KEY)),
+    "advisory": select(
+        ~exists().where(*_ADVISORY_HERE, _PG_LOCKS.c.classid == _HI, _PG_LOCKS.c.objid == _LO)
+    ),
     "named": select(func.is_free_lock(_NAME)),
 }
 
@@ -422,6 +477,13 @@ def _owner_params(kind: OwnerLock, owner: str) -> dict[str, Any]:
     if kind == "advisory":
         # The first 64 bits of the owner's random hex, as PostgreSQL's signed bigint key.
         return {"key": int(owner[:16], 16) - (1 << 63)}
+    return {"name": owner}
+
+
+def _free_params(kind: OwnerLock, owner: str) -> dict[str, Any]:
+    if kind == "advisory":
+        high, low = advisory_lock_tag(owner)
+        return {"hi": high, "lo": low}
     return {"name": owner}
 
 
@@ -436,8 +498,9 @@ def release_owner(kind: OwnerLock, owner: str) -> Statement:
 
 
 def owner_gone(kind: OwnerLock, owner: str) -> Statement:
-    """Whether the owner's lock is free, i.e. the session that held it has ended."""
-    return _FREE[kind], _owner_params(kind, owner)
+    """Whether the owner's lock is free, i.e. the session that held it has ended; read
+    without taking the lock."""
+    return _FREE[kind], _free_params(kind, owner)
 
 
 # --- periodic jobs: each schedule's last enqueued occurrence --------------------------------
@@ -664,27 +727,6 @@ def oldest_unclaimed(queue: str, now: datetime, live_owners: list[str]) -> State
     """The ``process_at`` of a queue's oldest due job that no live worker holds: the poll's
     own index order, stopping at the first such job."""
     return _OLDEST_UNCLAIMED, {"queue": queue, "now": now, "live": live_owners}
-
-
-_PG_LOCKS = table(
-    "pg_locks",
-    column("locktype"),
-    column("database"),
-    column("classid"),
-    column("objid"),
-    column("objsubid"),
-    column("granted"),
-)
-_PG_DATABASE = table("pg_database", column("oid"), column("datname"))
-_ADVISORY_LOCKS_HELD = select(_PG_LOCKS.c.classid, _PG_LOCKS.c.objid).where(
-    _PG_LOCKS.c.locktype == literal("advisory"),
-    _PG_LOCKS.c.objsubid == literal(1),
-    _PG_LOCKS.c.granted.is_(true()),
-    _PG_LOCKS.c.database
-    == select(_PG_DATABASE.c.oid)
-    .where(_PG_DATABASE.c.datname == func.current_database())
-    .scalar_subquery(),
-)
 
 
 def advisory_locks_held() -> Statement:

@@ -20,7 +20,7 @@ from typing import Any, Literal, NoReturn
 from sqlalchemy import Engine
 from sqlalchemy.pool import QueuePool
 
-from sqla_proletarian import wakeups
+from sqla_proletarian import ledger, wakeups
 from sqla_proletarian.dialects import Dialect, dialect_of
 from sqla_proletarian.errors import (
     ConfigurationError,
@@ -49,6 +49,9 @@ DEFAULT_POLLING_INTERVAL = 0.1
 DEFAULT_AWAIT_TERMINATION_TIMEOUT = 10.0
 #: Runs of one job that may end uncleanly (worker died) before it is archived as failed.
 DEFAULT_MAX_UNCLEAN_ENDS = 3
+#: Seconds a dead-looking worker's run records wait before they count as unclean ends: its
+#: session may have ended with a restart, a failover or a kill while the worker lives on.
+DEFAULT_RECONNECT_GRACE = ledger.OWNER_GRACE
 #: Jobs a thread claims in one transaction (1: the original's semantics).
 DEFAULT_BATCH_SIZE = 1
 #: Largest batch_size accepted.
@@ -107,12 +110,14 @@ class WorkerOptions:
     batch_size: int = DEFAULT_BATCH_SIZE
     poll_only: bool = False
     periodic_jobs: tuple[PeriodicJob, ...] = ()
+    reconnect_grace: float = DEFAULT_RECONNECT_GRACE
 
     def __post_init__(self) -> None:
         check_name("queue", self.queue)
         _positive_int("worker_threads", self.worker_threads)
         _positive("polling_interval", self.polling_interval)
         _non_negative("await_termination_timeout", self.await_termination_timeout)
+        _non_negative("reconnect_grace", self.reconnect_grace)
         if self.handler_mode not in ("default", "advanced"):
             raise ConfigurationError(
                 f"handler_mode is {self.handler_mode!r}; use 'default' for "
@@ -164,6 +169,7 @@ class WorkerOptions:
             worker_id=self.worker_id,
             max_unclean_ends=self.max_unclean_ends,
             batch_size=self.batch_size,
+            reconnect_grace=self.reconnect_grace,
         )
 
 
@@ -212,7 +218,12 @@ class QueueWorker:
         self._runner = JobRunner(
             engine, options.run_settings(handler), self._count, stopping=self._stopping.is_set
         )
-        _check_pool(engine, self._runner.connections_per_thread, options.worker_threads)
+        _check_pool(
+            engine,
+            self._runner.connections_per_thread,
+            options.worker_threads,
+            self._runner.shared_connections,
+        )
         self._scheduler = scheduler_for(self._runner.dialect, options)
         self._counts: dict[Outcome, int] = {"succeeded": 0, "retried": 0, "failed": 0}
         self._counts_lock = threading.Lock()
@@ -261,6 +272,7 @@ class QueueWorker:
             queue=self.options.queue,
             worker_threads=self.options.worker_threads,
         )
+        self._runner.start_keeping_owner()
         for index in range(self.options.worker_threads):
             thread = threading.Thread(
                 target=self._work, name=f"{self.worker_id}-{index}", daemon=True
@@ -400,6 +412,7 @@ class QueueWorker:
                 logging.INFO, "completed-shutdown", worker_id=self.worker_id, **self.summary()
             )
         finally:
+            self._runner.close()
             self._stopped.set()
 
     def _stop_itself(self, exc: BaseException) -> None:
@@ -605,8 +618,11 @@ def _check_engine(engine: Engine) -> None:
         )
 
 
-def _check_pool(engine: Engine, per_thread: int, threads: int) -> None:
-    """Refuse a pool that can never give a thread its connections; warn if it starves some."""
+def _check_pool(engine: Engine, per_thread: int, threads: int, shared: int = 0) -> None:
+    """Refuse a pool that can never give a thread its connections; warn if it starves some.
+
+    ``shared``: connections the worker holds besides its threads' (its run-record owner's).
+    """
     pool = engine.pool
     if not isinstance(pool, QueuePool):
         return
@@ -615,14 +631,16 @@ def _check_pool(engine: Engine, per_thread: int, threads: int) -> None:
     advice = (
         f"each worker thread holds {per_thread} connection(s) (its claim"
         + (" and its run records" if per_thread > 1 else "")
-        + f"), so give the engine pool_size + max_overflow >= {per_thread * threads} "
+        + ")"
+        + (f", the worker {shared} more (its run-record owner)" if shared else "")
+        + f", so give the engine pool_size + max_overflow >= {per_thread * threads + shared} "
         "for the worker, plus what the application uses"
     )
-    if capacity < per_thread:
+    if capacity < per_thread + shared:
         raise ConfigurationError(
             f"the engine's pool holds at most {capacity:g} connection(s): {advice}"
         )
-    if capacity < per_thread * threads:
+    if capacity < per_thread * threads + shared:
         log_event(
             logging.WARNING,
             "pool-too-small",
@@ -651,7 +669,10 @@ def create_queue_worker(engine: Engine, handler: Callable[..., Any], **options: 
     stops; default stops), ``handler_mode`` ("default": ``handler(job_type, payload)``;
     "advanced": ``handler(job)``), ``install_signal_handlers`` (False), ``on_shutdown``,
     ``await_termination_timeout`` (10 s), ``worker_id``, ``serializer``, ``clock`` and
-    ``max_unclean_ends`` (3; None turns crash accounting off), ``batch_size`` (1: jobs
+    ``max_unclean_ends`` (3; None turns crash accounting off), ``reconnect_grace`` (5 s:
+    how long a run's worker must stay gone from the database before the run counts as an
+    unclean end and its job runs again; while its session is away or it lives, the job is
+    left alone), ``batch_size`` (1: jobs
     claimed, run one after another and committed together in one transaction; SQLite
     always claims one), ``poll_only`` (False: on PostgreSQL a committed enqueue wakes
     idle workers at once through LISTEN/NOTIFY; True polls only, for transaction-pooling
@@ -676,7 +697,7 @@ def process_next_job(engine: Engine, handler: Callable[..., Any], **options: Any
 
     Takes the worker options that apply to one job (``queue``, ``retry_strategy``,
     ``failed_job_handler``, ``handler_mode``, ``worker_id``, ``serializer``, ``clock``,
-    ``max_unclean_ends``). Database errors are raised to the caller.
+    ``max_unclean_ends``, ``reconnect_grace``). Database errors are raised to the caller.
     """
     settings = WorkerOptions.from_kwargs(options).run_settings(handler)
     return JobRunner(engine, settings).process_one()

@@ -125,7 +125,7 @@ CRASHING_BATCH = textwrap.dedent(
             os._exit(9)  # the worker dies in the middle of its claim
 
     engine = sa.create_engine(sys.argv[1])
-    sp.process_next_job(engine, handler, batch_size=5, max_unclean_ends=1)
+    sp.process_next_job(engine, handler, batch_size=5, max_unclean_ends=1, reconnect_grace=0)
     """
 )
 

@@ -85,6 +85,8 @@ def work(url: str, state: Path, max_unclean_ends: int | None, queue: str) -> Non
             failed_job_handler=failed_job_handler,
             max_unclean_ends=max_unclean_ends,
             queue=queue,
+            # The dead worker before this one is gone for good: count its run at once.
+            reconnect_grace=0,
         ):
             pass
     finally:
