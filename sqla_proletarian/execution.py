@@ -46,6 +46,9 @@ Failure = tuple[JobContext, Exception]
 
 #: Longest error text kept in the archive.
 MAX_ERROR_TEXT = 4000
+#: Seconds a worker whose claim lost its connection waits before it looks whether its
+#: owner's session lives too.
+LOSS_SETTLE = 0.5
 
 
 @dataclass(frozen=True)
@@ -131,8 +134,9 @@ class JobRunner:
     """Claims and runs jobs one transaction at a time. Thread-safe; shared by worker threads.
 
     ``stopping`` says whether the worker is stopping: once it does, no handler starts. The
-    asyncio worker runs it in greenlets of one thread: it gives locks that let the event
-    loop run while a task waits (``new_lock``), and names its tasks (``unit_name``).
+    asyncio worker runs it in greenlets of one thread: it gives locks and a sleep that let
+    the event loop run while a task waits (``new_lock``, ``sleep``), and names its tasks
+    (``unit_name``).
     """
 
     def __init__(
@@ -144,6 +148,7 @@ class JobRunner:
         *,
         new_lock: Callable[[], AbstractContextManager[Any]] = threading.Lock,
         unit_name: Callable[[], str] = lambda: threading.current_thread().name,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.engine = engine
         self.settings = settings
@@ -151,6 +156,7 @@ class JobRunner:
         self._on_outcome = on_outcome
         self._stopping = stopping or (lambda: False)
         self._unit_name = unit_name
+        self._sleep = sleep
         self._connect_lock = new_lock()
         self._claim_lock = new_lock()
         self._host = f"{socket.gethostname()}:{os.getpid()}"
@@ -469,6 +475,9 @@ class JobRunner:
         lived on all along, as it does not through a restart, failover or killed sessions."""
         if claim.phase != "running" or self._keeper is None or connections.ledger is None:
             return False
+        # Servers end sessions one at a time (a restart, a kill of all of them): let the
+        # owner's session go too before looking whether it lives.
+        self._sleep(LOSS_SETTLE)
         epoch = connections.owner_epoch
         return self._keeper.check() and self._keeper.epoch == epoch
 

@@ -237,10 +237,12 @@ class OwnerKeeper:
                     return True
                 except Exception as exc:
                     log_event(logging.WARNING, "run-owner-lost", owner=self.owner, error=repr(exc))
-            try:
-                self._connect()
-            except Exception as exc:
-                log_event(logging.DEBUG, "run-owner-reconnect-error", error=repr(exc))
+            for _ in range(2):  # the first may meet a pooled connection the server ended
+                try:
+                    self._connect()
+                    break
+                except Exception as exc:
+                    log_event(logging.DEBUG, "run-owner-reconnect-error", error=repr(exc))
             return False
 
     def start_checking(self) -> None:
