@@ -3,6 +3,7 @@ killed and replaced by the scenarios."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import queue
@@ -119,18 +120,30 @@ class WorkerProcess:
         self.seen: Counter[str] = Counter()
         self.starts: list[str] = []
         self.dones: list[str] = []
+        #: Each handler run as [job id, start, end] (monotonic; end None while it runs):
+        #: from its start line to its done line, or to the process's end.
+        self.runs: list[list[str | float | None]] = []
 
     def take(self, line: str) -> None:
         word, _, rest = line.partition(" ")
         self.seen[word] += 1
         if word == "start":
             self.starts.append(rest)
+            self.runs.append([rest, time.monotonic(), None])
         elif word == "done":
             self.dones.append(rest)
+            for run in reversed(self.runs):
+                if run[0] == rest and run[2] is None:
+                    run[2] = time.monotonic()
+                    break
         self.lines.put(line)
 
     def ended(self, code: int) -> None:
         self.code = code
+        ended = time.monotonic()
+        for run in self.runs:
+            if run[2] is None:
+                run[2] = ended
         self._ended.set()
         self.lines.put(None)
 
@@ -246,7 +259,26 @@ class Fleet:
 
     def check(self, strict: bool) -> Check:
         self.settle()
-        return self.db.check(self.starts(), strict, self.rolled_back())
+        result = self.db.check(self.starts(), strict, self.rolled_back())
+        result.overlapping = self.overlapping()
+        return result
+
+    def overlapping(self, slack: float = 0.05) -> list[str]:
+        """Jobs whose handler started while another run of theirs was still going, in any
+        worker process (``slack``: how late two processes' lines may arrive here)."""
+        by_job: dict[str, list[tuple[float, float]]] = {}
+        for worker in self.every:
+            for job_id, start, end in worker.runs:
+                assert isinstance(job_id, str) and isinstance(start, float)
+                by_job.setdefault(job_id, []).append(
+                    (start, end if isinstance(end, float) else float("inf"))
+                )
+        found = []
+        for job_id, runs in by_job.items():
+            runs.sort()
+            if any(later[0] < earlier[1] - slack for earlier, later in itertools.pairwise(runs)):
+                found.append(job_id)
+        return found
 
     def rolled_back(self) -> Counter[str]:
         """Runs a live worker gave up, by job id: a deadlock or lock timeout rolled their

@@ -56,6 +56,8 @@ KINDS = {
     "flaky": Expect("success", 2, 2),
     "bad": Expect("failure", 2, 2),
     "slow": Expect("success", 1, 1),
+    # Longer than the scenario's idle-transaction limit on every run: charged twice, failed.
+    "long": Expect("failure", 2, 2),
 }
 
 
@@ -322,6 +324,8 @@ class Check:
     unclean: int = 0
     #: Someone else restarted the server meanwhile: unclean ends and reruns are excused.
     disturbed: bool = False
+    #: Jobs that ran twice at the same time (never allowed: the fleet's start/done lines).
+    overlapping: list[str] = field(default_factory=list)
 
     def problems(self, max_duplicated: int) -> list[str]:
         found = []
@@ -337,6 +341,11 @@ class Check:
             found.append(f"{self.ledger} run records left in the crash ledger")
         if self.wrong:
             found.append(f"{len(self.wrong)} jobs ended wrongly: " + "; ".join(self.wrong[:3]))
+        if self.overlapping:
+            found.append(
+                f"{len(self.overlapping)} jobs ran twice at the same time, e.g. "
+                f"{self.overlapping[:3]}"
+            )
         if len(self.duplicated) > max_duplicated and not self.disturbed:
             found.append(
                 f"{len(self.duplicated)} jobs ran more than once, at most {max_duplicated} "

@@ -7,6 +7,8 @@ import time
 import fault_fleet as ff
 import fault_harness as fh
 import fault_report as fr
+import sqlalchemy as sa
+from fault_harness import ARCHIVE
 
 BUSY_ARGS = ["--threads=2", "--sleep-min-ms=10", "--sleep-max-ms=40", "--polling-interval=0.02"]
 
@@ -19,13 +21,17 @@ def finish(
     fault_end: float,
     problems: list[str],
     max_duplicated: int,
+    strict: bool = False,
 ) -> None:
-    """Wait for the queue to drain, check everything, record the row, fail on problems."""
+    """Wait for the queue to drain, check everything, record the row, fail on problems.
+
+    ``strict``: no run may count as an unclean end (the fault killed no worker).
+    """
     since = time.monotonic() - (time.time() - fault_end)
     drain = db.wait_drained(since, timeout=60, give_up=lambda: fleet.alive() == 0)
     if drain is None:
         problems.append("the queue was not drained after the fault")
-    check = fleet.check(strict=False)
+    check = fleet.check(strict=strict)
     alive = fleet.alive()
     if alive != len(fleet.slots):
         problems.append(f"only {alive} of {len(fleet.slots)} workers alive at the end")
@@ -48,8 +54,53 @@ def test_workers_survive_a_server_restart(fault_db: fh.FaultDatabase, fleet: ff.
     problems = [] if len(busy) == 2 else [f"only {busy} were busy when the server restarted"]
     if db.pending() == 0:
         problems.append("the queue was empty after the restart: too few jobs to test it")
-    # Jobs running when the server went down lost their transaction and run again.
-    finish("3 server restart", db, fleet, "1 restart", restarted, problems, max_duplicated=4)
+    # Jobs running when the server went down lost their transaction and run again, but the
+    # restart charges none of them.
+    finish(
+        "3 server restart",
+        db,
+        fleet,
+        "1 restart",
+        restarted,
+        problems,
+        max_duplicated=4,
+        strict=True,
+    )
+
+
+def test_long_jobs_outlive_a_server_restart_alone_and_uncharged(
+    fault_db: fh.FaultDatabase, fleet: ff.Fleet
+) -> None:
+    """The server restarts while four long jobs run, with idle threads polling in both
+    workers: the restart ends the jobs' sessions but not their handlers. No other thread
+    starts a long job while its first run goes on, and no run is charged as an unclean
+    end; each long job runs again after its first run (whose transaction died) ends."""
+    db = fault_db
+    slow = db.enqueue(["slow"] * 4)
+    db.enqueue(fh.job_mix(40))
+    fleet.start(2, ["--threads=3", "--slow-ms=8000", "--polling-interval=0.02"])
+    fleet.wait_ready()
+    problems: list[str] = []
+    deadline = time.monotonic() + 30
+    started = {str(job_id) for job_id in slow}
+    while time.monotonic() < deadline:
+        if started <= {job_id for worker in fleet.slots for job_id in worker.starts}:
+            break
+        time.sleep(0.05)
+    else:
+        problems.append("the long jobs never all started")
+    db.restart_server()
+    restarted = time.time()
+    finish(
+        "3b restart during long jobs",
+        db,
+        fleet,
+        "1 restart, 4 jobs of 8 s",
+        restarted,
+        problems,
+        max_duplicated=len(slow) + 2,
+        strict=True,
+    )
 
 
 def test_workers_survive_sessions_killed_by_the_server(
@@ -70,7 +121,8 @@ def test_workers_survive_sessions_killed_by_the_server(
         time.sleep(0.3)
     ended = time.time()
     problems = [] if killed else ["no worker session was ever found to kill"]
-    # Each round can take the running jobs (two threads in each of two workers) with it.
+    # Each round can take the running jobs (two threads in each of two workers) with it,
+    # and charges none of them: the workers live.
     finish(
         "4 sessions killed",
         db,
@@ -79,6 +131,7 @@ def test_workers_survive_sessions_killed_by_the_server(
         ended,
         problems,
         max_duplicated=4 * rounds,
+        strict=True,
     )
 
 
@@ -170,3 +223,40 @@ def test_a_job_longer_than_the_idle_transaction_timeout_runs_again(
         f"no log line about job {slow} names {setting}; its warnings and errors:\n"
         + "\n".join(lines)
     )
+
+
+def test_a_job_always_longer_than_the_idle_transaction_timeout_ends_as_failed(
+    fault_db: fh.FaultDatabase, fleet: ff.Fleet
+) -> None:
+    """A job that outlives the idle-in-transaction timeout on every run: each run lost to
+    the limit counts as an unclean end, the job never runs twice at the same time, and after
+    max_unclean_ends runs it is archived as failed with an error naming the setting."""
+    db = fault_db
+    setting, args = IDLE_TIMEOUTS[db.backend]
+    [long] = db.enqueue(["long"])
+    db.enqueue(fh.job_mix(10))
+    started = time.time()
+    fleet.start(
+        1,
+        [
+            "--threads=2",
+            "--slow-ms=1800",
+            "--polling-interval=0.02",
+            "--max-unclean-ends=2",
+            *args,
+        ],
+    )
+    problems: list[str] = []
+    finish(
+        "7b always over the idle timeout",
+        db,
+        fleet,
+        f"1 job always over {setting}=1s",
+        started,
+        problems,
+        max_duplicated=1,
+    )
+    error = db.scalar(sa.select(ARCHIVE.c.error).where(ARCHIVE.c.job_id == long))
+    assert "lost its database session while running" in (error or "")
+    assert setting in (error or "")
+    assert db.run_count(long) == 2

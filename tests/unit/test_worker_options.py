@@ -172,12 +172,14 @@ UNREACHABLE_POSTGRESQL = "postgresql+psycopg://nobody@127.0.0.1:1/never"
 
 
 def test_a_pool_that_cannot_give_one_thread_its_two_connections_is_refused() -> None:
-    """A claim and its crash-ledger connection: a pool of one can never serve a thread."""
-    small = sa.create_engine(UNREACHABLE_POSTGRESQL, pool_size=1, max_overflow=0)
+    """A claim and its crash-ledger connection, plus the worker's run-record owner: a pool
+    of two can never serve a thread."""
+    small = sa.create_engine(UNREACHABLE_POSTGRESQL, pool_size=2, max_overflow=0)
     try:
         with pytest.raises(sp.ConfigurationError) as info:
             sp.create_queue_worker(small, handler)
-        assert "pool_size + max_overflow >= 2" in str(info.value)
+        assert "pool_size + max_overflow >= 3" in str(info.value)
+        assert "run-record owner" in str(info.value)
         # Without the crash ledger a thread needs one connection, which the pool has.
         worker = sp.create_queue_worker(small, handler, max_unclean_ends=None)
         assert not worker.running
@@ -189,11 +191,11 @@ def test_a_pool_smaller_than_the_threads_need_is_accepted_with_a_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.WARNING, logger="sqla_proletarian")
-    small = sa.create_engine(UNREACHABLE_POSTGRESQL, pool_size=3, max_overflow=0)
+    small = sa.create_engine(UNREACHABLE_POSTGRESQL, pool_size=4, max_overflow=0)
     try:
         sp.create_queue_worker(small, handler, worker_threads=2)
     finally:
         small.dispose()
     [warning] = [r for r in caplog.records if getattr(r, "event", None) == "pool-too-small"]
-    assert (warning.pool_capacity, warning.worker_threads) == (3, 2)
-    assert "pool_size + max_overflow >= 4" in warning.hint
+    assert (warning.pool_capacity, warning.worker_threads) == (4, 2)
+    assert "pool_size + max_overflow >= 5" in warning.hint

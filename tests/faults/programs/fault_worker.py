@@ -8,7 +8,8 @@ Python's start-up each time. A forked worker is a real process with its own conn
 
 Each job's payload says
 how its handler behaves (``kind``): ``ok`` succeeds, ``flaky`` fails its first attempt and
-then succeeds, ``bad`` always fails, ``slow`` sleeps ``--slow-ms`` on its first run only.
+then succeeds, ``bad`` always fails, ``slow`` sleeps ``--slow-ms`` on its first run only,
+``long`` on every run.
 The worker retries a failed job once, at once, so ``flaky`` ends as success and ``bad`` as
 failure, both after two attempts.
 
@@ -119,7 +120,7 @@ def make_handler(args: argparse.Namespace, recorder: RunRecorder) -> Any:
         _local.handler_done = False
         say(f"start {job.job_id}")
         kind = job.payload["kind"]
-        if kind == "slow" and recorder.count(job.job_id) == 0:
+        if kind == "long" or (kind == "slow" and recorder.count(job.job_id) == 0):
             time.sleep(args.slow_ms / 1000)
         else:
             time.sleep(random.uniform(args.sleep_min_ms, args.sleep_max_ms) / 1000)
