@@ -23,6 +23,7 @@ import logging
 import os
 import platform
 import re
+import shlex
 import statistics
 import sys
 import threading
@@ -271,7 +272,7 @@ def parse() -> argparse.Namespace:
 
 def main() -> None:
     args = parse()
-    command = " ".join(["python -m benchmarks.batch_drain", *sys.argv[1:]])
+    command = shlex.join(["python", "-m", "benchmarks.batch_drain", *sys.argv[1:]])
     started_at, started = datetime.now(UTC), time.perf_counter()
     with durable_servers(keep=args.keep_servers) as found:
         # MariaDB first: the batches this benchmark is about.
