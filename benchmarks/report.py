@@ -3,8 +3,52 @@
 
 from __future__ import annotations
 
+import re
 import statistics
+import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results.md"
+#: A section of the results file that one benchmark writes and the others keep.
+_SECTION = re.compile(r"<!-- section: (\w+) -->\n.*?<!-- end section: \1 -->", re.DOTALL)
+
+
+def library_commit() -> str:
+    """The library's commit, and whether the work tree had changes."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        rev = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--", "sqla_proletarian"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown commit"
+    return f"commit {rev}" + (" with uncommitted changes in sqla_proletarian/" if dirty else "")
+
+
+def kept_sections(text: str) -> list[str]:
+    """The marked sections of a results file, which a rewrite of the rest keeps."""
+    return [match.group(0) for match in _SECTION.finditer(text)]
+
+
+def write_section(path: Path, name: str, body: str) -> None:
+    """Put ``body`` into the results file as section ``name``, in place of an earlier one."""
+    section = f"<!-- section: {name} -->\n{body}\n<!-- end section: {name} -->"
+    text = path.read_text() if path.exists() else "# Benchmark results\n"
+    for match in _SECTION.finditer(text):
+        if match.group(1) == name:
+            path.write_text(text[: match.start()] + section + text[match.end() :])
+            return
+    path.write_text(text.rstrip("\n") + "\n\n" + section + "\n")
 
 
 @dataclass

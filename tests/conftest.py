@@ -8,6 +8,10 @@ never a silent skip.
 ``SP_TEST_POSTGRESQL_DRIVER`` (e.g. ``psycopg2``) runs every PostgreSQL test through another
 driver; ``make test`` reruns the worker's conformance tests that way.
 
+``SP_TEST_POSTGRESQL_VERSION`` (a major version, e.g. ``18``) stops the run at its start unless
+the server at ``SP_TEST_POSTGRESQL_URL`` is that version: ``make test`` reruns the core suites
+on PostgreSQL 18 with both set, so that rerun cannot pass on another server unnoticed.
+
 ``driver_database`` runs a test once per driver of each backend (psycopg 3 and psycopg2 on
 PostgreSQL, PyMySQL on MariaDB, pysqlite): the same fresh database, reached through that
 driver. ``@pytest.mark.backends("postgresql", ...)`` narrows such a test to some backends.
@@ -18,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,10 +53,50 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--soak", action="store_true", help="run the long fault-injection soak")
 
 
+POSTGRESQL_SERVER_VERSION = pytest.StashKey[str]()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "backends(*names): run a driver_database test on these backends only"
     )
+    if not hasattr(config, "workerinput"):  # once, in the controller of an xdist run
+        version = checked_postgresql_version()
+        if version:
+            config.stash[POSTGRESQL_SERVER_VERSION] = version
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    version = config.stash.get(POSTGRESQL_SERVER_VERSION, None)
+    return f"PostgreSQL server: {version}" if version else None
+
+
+def checked_postgresql_version() -> str | None:
+    """The PostgreSQL server's version when ``SP_TEST_POSTGRESQL_VERSION`` asks for a major
+    version, after checking that the server has it (a usage error otherwise)."""
+    wanted = os.environ.get("SP_TEST_POSTGRESQL_VERSION")
+    if not wanted:
+        return None
+    url = os.environ.get(SERVER_URL_VARS["postgresql"])
+    if not url:
+        raise pytest.UsageError(
+            f"SP_TEST_POSTGRESQL_VERSION={wanted} needs SP_TEST_POSTGRESQL_URL, the server to "
+            "check: run the tests with `make test`"
+        )
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            version = str(conn.exec_driver_sql("SHOW server_version").scalar_one())
+    finally:
+        engine.dispose()
+    major = re.match(r"\d+", version)
+    if major is None or major.group() != wanted:
+        raise pytest.UsageError(
+            f"SP_TEST_POSTGRESQL_VERSION={wanted}, but the server at SP_TEST_POSTGRESQL_URL is "
+            f"PostgreSQL {version}: point SP_TEST_POSTGRESQL_URL at a PostgreSQL {wanted} server "
+            "(SP_TEST_POSTGRESQL18_URL from scripts/testdb.sh)"
+        )
+    return version
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
