@@ -413,6 +413,42 @@ def test_the_records_of_a_batch_whose_worker_died_charge_nobody_and_make_its_job
     assert ran == ["finished"], "a suspect runs alone"
 
 
+def test_a_claim_that_checks_a_dead_owner_does_not_make_it_look_alive_to_other_claims(
+    engine: sa.Engine, backend: str
+) -> None:
+    """Three jobs of a batch whose worker died: a first claim (of one job) runs one of them
+    and holds its transaction open while the handler runs. A second claim meanwhile must still
+    see the owner as dead (0.2 took the owner's lock to test it, until the first claim
+    committed, so the second saw a live owner and ran the dead batch's jobs together)."""
+    if backend == "sqlite":
+        pytest.skip("SQLite's owner is the process: it cannot die inside this test")
+    ids = [enqueue_committed(engine, f"job-{n}") for n in range(3)]
+    owner = LiveOwner(engine)
+    assert owner.conn is not None
+    ledger.ClaimRecords(owner.dialect, owner.owner, "batch", sp.utc_now).begin(owner.conn, ids)
+    owner.die()
+    first_running, release = threading.Event(), threading.Event()
+    ran: list[list[str]] = []
+
+    def first(job_type: str, payload: Any) -> None:
+        first_running.set()
+        release.wait(10)
+
+    options: dict[str, Any] = {"batch_size": 5, "max_unclean_ends": 3, "reconnect_grace": 0}
+    one = {**options, "batch_size": 1}
+    claim = threading.Thread(target=lambda: sp.process_next_job(engine, first, **one))
+    claim.start()
+    try:
+        assert first_running.wait(10)
+        batch: list[str] = []
+        assert sp.process_next_job(engine, lambda job_type, p: batch.append(job_type), **options)
+        ran.append(batch)
+    finally:
+        release.set()
+        claim.join(10)
+    assert ran == [["job-1"]], "a dead batch's job runs alone, whoever else checked its owner"
+
+
 def test_a_job_whose_session_the_server_ends_while_its_handler_runs_is_charged_never_overlapped(
     engine: sa.Engine, backend: str, caplog: pytest.LogCaptureFixture
 ) -> None:
