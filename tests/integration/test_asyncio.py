@@ -790,3 +790,62 @@ def test_unique_keys_and_priorities_through_enqueue_async(
     first, second, low = asyncio.run(main())
     assert first == second and low != first
     assert {job.job_id for job in archived(sync_engine)} == {first, low}
+
+
+def test_a_job_whose_session_the_server_ends_mid_handler_is_charged_and_never_overlapped(
+    database: Database, async_url: URL, sync_engine: sa.Engine
+) -> None:
+    """The asyncio worker as the threaded one: the server ends the job's session while its
+    handler runs (each run), the worker's owner session lives on, so each loss counts as an
+    unclean end; the worker's other task leaves the job alone meanwhile; after
+    max_unclean_ends runs the job is archived as failed instead of looping."""
+    if database.backend == "sqlite":
+        pytest.skip("SQLite has no server sessions to end")
+    job_id = enqueue_committed(sync_engine, "killed")
+    admin = sa.create_engine(database.url, isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
+    postgresql = database.backend == "postgresql"
+
+    def kill(pid: int) -> None:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(
+                f"SELECT pg_terminate_backend({pid})" if postgresql else f"KILL {pid}"
+            )
+
+    async def main() -> tuple[list[int], int]:
+        runs: list[int] = []
+        most = running = 0
+
+        async def handler(job: sp.AsyncJobContext) -> None:
+            nonlocal most, running
+            running += 1
+            most = max(most, running)
+            try:
+                runs.append(job.attempts)
+                query = "SELECT pg_backend_pid()" if postgresql else "SELECT CONNECTION_ID()"
+                pid = (await job.session.execute(sa.text(query))).scalar()
+                await asyncio.to_thread(kill, int(pid or 0))
+                await asyncio.sleep(0.5)  # the other task polls meanwhile
+            finally:
+                running -= 1
+
+        options: dict[str, Any] = {"handler_mode": "advanced", "polling_interval": 0.02}
+        async with (
+            async_engine(async_url) as engine,
+            sp.create_async_queue_worker(
+                engine, handler, concurrency=2, max_unclean_ends=2, **options
+            ),
+        ):
+            assert await eventually(
+                lambda: archived_job(sync_engine, job_id) is not None, timeout=30
+            )
+        return runs, most
+
+    try:
+        runs, most = asyncio.run(main())
+    finally:
+        admin.dispose()
+    row = archived_job(sync_engine, job_id)
+    assert row is not None and (row.status, row.attempts) == ("failure", 2)
+    assert row.error is not None and "lost its database session while running" in row.error
+    assert runs == [1, 1] and most == 1
+    assert run_records(sync_engine) == 0
