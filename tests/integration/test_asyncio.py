@@ -745,7 +745,7 @@ def test_the_async_worker_enqueues_its_periodic_jobs_once_per_occurrence(
             )
             async with worker:
                 # The first look records the schedule; its next occurrence is 12:01.
-                await asyncio.sleep(0.1)
+                assert await eventually(lambda: count(sync_engine, sp.PeriodicSchedule) == 1)
                 clock.set(start + timedelta(minutes=1, seconds=1))
                 assert await eventually(lambda: len(ran) == 1)
                 clock.set(start + timedelta(minutes=2, seconds=1))
