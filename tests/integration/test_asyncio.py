@@ -34,6 +34,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engin
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 import sqla_proletarian as sp
+from sqla_proletarian.models import PeriodicSchedule
 
 if TYPE_CHECKING:
     from conftest import Database
@@ -745,7 +746,7 @@ def test_the_async_worker_enqueues_its_periodic_jobs_once_per_occurrence(
             )
             async with worker:
                 # The first look records the schedule; its next occurrence is 12:01.
-                assert await eventually(lambda: count(sync_engine, sp.PeriodicSchedule) == 1)
+                assert await eventually(lambda: count(sync_engine, PeriodicSchedule) == 1)
                 clock.set(start + timedelta(minutes=1, seconds=1))
                 assert await eventually(lambda: len(ran) == 1)
                 clock.set(start + timedelta(minutes=2, seconds=1))
