@@ -49,7 +49,11 @@ from sqla_proletarian.supervisor import (
     run_worker,
     stop_with_supervisor,
 )
-from sqla_proletarian.worker import DEFAULT_POLLING_INTERVAL, WorkerOptions
+from sqla_proletarian.worker import (
+    DEFAULT_POLLING_INTERVAL,
+    DEFAULT_RECONNECT_GRACE,
+    WorkerOptions,
+)
 
 PROG = "sqla-proletarian"
 #: Exit status for bad command-line input (argparse's own).
@@ -293,6 +297,7 @@ def worker(args: argparse.Namespace) -> int:
         "batch_size": args.batch_size,
         "polling_interval": args.polling_interval,
         "handler_mode": args.handler_mode,
+        "reconnect_grace": args.reconnect_grace,
     }
     if args.process_index is not None:
         options["worker_id"] = f"proletarian[{args.queue}]#{args.process_index}"
@@ -335,6 +340,7 @@ def _supervise(args: argparse.Namespace, url: URL) -> int:
         *("--queue", args.queue, "--threads", str(args.threads)),
         *("--batch-size", str(args.batch_size)),
         *("--polling-interval", repr(args.polling_interval)),
+        *("--reconnect-grace", repr(args.reconnect_grace)),
         *("--handler-mode", args.handler_mode, "--log-level", args.log_level or "info"),
         *(["--burst"] if args.burst else []),
     ]
@@ -547,6 +553,14 @@ WORKER_ARGUMENTS = (
         default=DEFAULT_POLLING_INTERVAL,
         metavar="S",
         help=f"seconds between polls of a drained queue ({DEFAULT_POLLING_INTERVAL})",
+    ),
+    arg(
+        "--reconnect-grace",
+        type=float,
+        default=DEFAULT_RECONNECT_GRACE,
+        metavar="S",
+        help="seconds a run's worker must stay gone from the database before the run counts "
+        f"as an unclean end and its job runs again ({DEFAULT_RECONNECT_GRACE:g})",
     ),
     arg(
         "--handler-mode",

@@ -180,6 +180,9 @@ def test_bad_input_gets_one_line_and_a_non_zero_status(tmp_path: Path) -> None:
     bad_json = cli("enqueue", "ok", "{not json", "--url", url)
     assert "PAYLOAD_JSON is not JSON" in assert_one_line_error(bad_json, 2)
 
+    bad_grace = cli("worker", "tasks:handlers", "--reconnect-grace", "-1", "--url", url)
+    assert "reconnect_grace is -1.0" in assert_one_line_error(bad_grace, 2)
+
     bad_duration = cli("prune", "--older-than", "ten days", "--url", url)
     assert "30d, 12h, 90m or 45s" in assert_one_line_error(bad_duration, 2)
 
