@@ -113,6 +113,8 @@ def drain(
                 pass
     except _LimitReached:
         raise DrainLimitError(max_runs) from None
+    finally:
+        runner.close()
     return runs
 
 
