@@ -552,7 +552,8 @@ class JobRunner:
             try:
                 if decode_error is not None:
                     raise decode_error
-                self._call_handler(context)
+                with session.handling():
+                    self._call_handler(context)
                 session.finish()
             except JobTransactionLostError:
                 raise
