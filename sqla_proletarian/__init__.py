@@ -30,7 +30,12 @@ from sqla_proletarian.inspection import (
     list_jobs,
     queue_status,
 )
-from sqla_proletarian.maintenance import prune_archive, retry_failed
+from sqla_proletarian.maintenance import (
+    RetryReport,
+    prune_archive,
+    retry_failed,
+    retry_failed_report,
+)
 from sqla_proletarian.models import (
     DEFAULT_QUEUE,
     ArchivedJob,
@@ -103,6 +108,7 @@ __all__ = [
     "ProletarianError",
     "QueueStatus",
     "QueueWorker",
+    "RetryReport",
     "RetryStrategy",
     "Serializer",
     "UnknownJobTypeError",
@@ -127,6 +133,7 @@ __all__ = [
     "queue_status",
     "resume_queue",
     "retry_failed",
+    "retry_failed_report",
     "utc_now",
     "uuid4",
     "uuid7",

@@ -38,7 +38,7 @@ from sqla_proletarian.errors import (
 )
 from sqla_proletarian.handlers import JobHandlers
 from sqla_proletarian.inspection import DEFAULT_FAILED_LIMIT, failed_jobs, queue_status
-from sqla_proletarian.maintenance import install_tables, prune_archive, retry_failed
+from sqla_proletarian.maintenance import install_tables, prune_archive, retry_failed_report
 from sqla_proletarian.models import DEFAULT_QUEUE
 from sqla_proletarian.supervisor import (
     EXIT_FORCED,
@@ -449,8 +449,11 @@ def retry(args: argparse.Namespace) -> int:
         raise UsageError("give the JOB_IDs to put back, or --all for every failure (not both)")
     job_ids = None if args.all else _uuids(args.job_ids)
     with _database(args) as engine:
-        count = retry_failed(engine, job_ids, queue=args.queue, job_type=args.job_type)
+        report = retry_failed_report(engine, job_ids, queue=args.queue, job_type=args.job_type)
+    count = report.put_back
     print(f"{count} failed job{'s' if count != 1 else ''} put back in the queue")
+    for job_id in report.key_held:
+        print(f"{job_id} stays archived: a queued job of its queue holds its unique_key")
     return EXIT_OK
 
 

@@ -287,6 +287,8 @@ class JobRunner:
         in_flight = id(connections)
         claim: _Claim | None = None
         done: list[tuple[_Claim, Outcome, Failure | None]] = []
+        #: Set while a claim of several jobs writes their outcomes together.
+        batch_finishing = False
         self.dialect.begin_claim(conn)
         try:
             claims = self._claim(connections)
@@ -311,6 +313,7 @@ class JobRunner:
                 claim.phase = "claimed"
                 self._give_up(connections)
                 return False
+            batch_finishing = len(claims) > 1
             self._finish_claim(conn, connections, done)
             claim.phase = "committing"
             conn.commit()
@@ -324,7 +327,7 @@ class JobRunner:
                 # Nothing ran yet: give the job back and report the error as a polling error.
                 self._give_up(connections)
                 raise
-            if self._interrupted(connections, claim, exc):
+            if self._interrupted(connections, claim, exc, batch_finishing=batch_finishing):
                 return True
             raise
         finally:
@@ -497,10 +500,18 @@ class JobRunner:
             raise
 
     def _interrupted(
-        self, connections: WorkerConnections, claim: _Claim, exc: BaseException
+        self,
+        connections: WorkerConnections,
+        claim: _Claim,
+        exc: BaseException,
+        *,
+        batch_finishing: bool = False,
     ) -> bool:
         """A running job's transaction ended without its outcome: say why, clean up, and
-        whether the worker goes on (True) or the exception propagates (False)."""
+        whether the worker goes on (True) or the exception propagates (False).
+
+        ``batch_finishing``: the error came while a claim of several jobs wrote their
+        outcomes together, so it is no one job's: the whole claim ends without outcomes."""
         conn = connections.conn
         fields = self._fields(claim.job)
         if isinstance(exc, KeyboardInterrupt | asyncio.CancelledError):
@@ -547,6 +558,18 @@ class JobRunner:
             # job's fault. The job goes back; the error is the worker's polling error.
             self._give_up(connections)
             return False
+        if batch_finishing:
+            # Not this job's outcome alone: archiving it as failed would drop the others'.
+            log_event(
+                logging.ERROR,
+                "batch-outcome-error",
+                **fields,
+                error=repr(exc),
+                hint="the batch's outcomes could not be written; none was recorded and "
+                "every job of the batch will run again",
+            )
+            self._give_up(connections)
+            return False
         # The outcome itself could not be written (a retry time no column can hold...):
         # record that as the job's failure in a transaction of its own, and go on.
         log_event(logging.ERROR, "outcome-recording-error", **fields, error=repr(exc))
@@ -555,8 +578,8 @@ class JobRunner:
         return True
 
     def _fail_again(self, connections: WorkerConnections, claim: _Claim, exc: Exception) -> None:
-        """Archive a job as failed because its outcome could not be written; if another
-        worker holds it by now, leave it to run again."""
+        """Archive a job as failed because its outcome could not be written, and remove the
+        claim's other run records; if another worker holds it by now, leave it to run again."""
         conn = connections.conn
         error = ProletarianError(f"the job's outcome could not be recorded: {exc!r}")
         session = JobSession(conn)
@@ -577,8 +600,8 @@ class JobRunner:
             raise
         finally:
             _close_quietly(session)
-        if connections.record is not None:
-            connections.record.ended()
+        # The job's archive removed its own record; its batch mates' go too (they run again).
+        self._forget(connections)
         self._finished(claim.job, "failed", (self._context(claim.job, None, session), error))
 
     # --- the handler and its outcome --------------------------------------------------------
@@ -622,7 +645,8 @@ class JobRunner:
             try:
                 if decode_error is not None:
                     raise decode_error
-                self._call_handler(context)
+                with session.handling():
+                    self._call_handler(context)
                 session.finish()
             except JobTransactionLostError:
                 raise

@@ -4,13 +4,15 @@ table by job type (JobHandlers)."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import uuid
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from sqlalchemy import Connection, Engine, NestedTransaction
+from sqlalchemy import Connection, Engine, NestedTransaction, event
 from sqlalchemy.orm import Session
 
 from sqla_proletarian.errors import (
@@ -23,14 +25,46 @@ if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
 
 
+class _Guard:
+    """Listens to one job connection's statements (``before_cursor_execute``, which also
+    sees ``exec_driver_sql``): while a handler runs there and has not opened the worker's
+    savepoint yet, its first statement, however it reaches the connection, opens it."""
+
+    __slots__ = ("session",)
+
+    def __init__(self) -> None:
+        self.session: JobSession | None = None
+
+    def __call__(self, conn: Connection, *args: Any) -> None:
+        session = self.session
+        if session is not None:
+            session.open_savepoint()
+
+
+_LOCK = threading.Lock()
+_GUARDS: weakref.WeakKeyDictionary[Connection, _Guard] = weakref.WeakKeyDictionary()
+
+
+def _guard_of(conn: Connection) -> _Guard:
+    """The connection's guard, listening from its first job on."""
+    with _LOCK:
+        guard = _GUARDS.get(conn)
+        if guard is None:
+            guard = _GUARDS[conn] = _Guard()
+            event.listen(conn, "before_cursor_execute", guard)
+    return guard
+
+
 class JobSession(Session):
     """The handler's Session, inside a savepoint of the job's own transaction.
 
-    The worker owns that savepoint, opened when the handler first uses its session, so
-    whatever the handler does with the session (``commit()``, ``with session.begin():``,
-    ``begin_nested()``, ``rollback()``), its writes commit together with the job's outcome
-    and roll back if it raises. ``commit()`` only flushes. Once the outcome is recorded the
-    session is closed for good, so late use fails instead of writing nothing.
+    The worker owns that savepoint, opened when the handler first executes anything on the
+    job's connection (through the session, ``session.connection()`` or ``session.bind``), so
+    whatever the handler does (``commit()``, ``with session.begin():``, ``begin_nested()``,
+    ``rollback()``, statements on the connection), its writes commit together with the job's
+    outcome and roll back if it raises. ``commit()`` only flushes. A handler that executes
+    nothing costs no savepoint. Once the outcome is recorded the session is closed for good,
+    so late use fails instead of writing nothing.
     """
 
     def __init__(self, bind: Connection) -> None:
@@ -40,15 +74,34 @@ class JobSession(Session):
         self.job_connection = bind
         #: The worker's savepoint around everything the handler did; None until first use.
         self.handler_savepoint: NestedTransaction | None = None
+        self._guard: _Guard | None = None
         self._closed = False
 
     def get_bind(self, *args: Any, **kwargs: Any) -> Engine | Connection:
         """The job's connection. The first time the session is about to use it, the worker's
         savepoint is opened there, before the session's own: only where the session does
         I/O anyway (an AsyncSession's ``add()`` in the asyncio worker could not)."""
-        if self.handler_savepoint is None and not self._closed:
-            self.handler_savepoint = self.job_connection.begin_nested()
+        self.open_savepoint()
         return super().get_bind(*args, **kwargs)
+
+    def open_savepoint(self) -> None:
+        """Open the worker's savepoint on the job's connection, unless it is open already."""
+        if self.handler_savepoint is None and not self._closed:
+            if self._guard is not None:
+                self._guard.session = None  # its own SAVEPOINT statement must not recurse
+            self.handler_savepoint = self.job_connection.begin_nested()
+
+    @contextlib.contextmanager
+    def handling(self) -> Iterator[None]:
+        """While the handler runs: its first statement on the job's connection, however it
+        reaches it, opens the worker's savepoint (the worker's own statements never do)."""
+        guard = self._guard = _guard_of(self.job_connection)
+        if self.handler_savepoint is None:
+            guard.session = self
+        try:
+            yield
+        finally:
+            guard.session = None
 
     def close(self) -> None:
         """Close the session for good (it never opens the worker's savepoint again)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -26,16 +27,19 @@ from sqla_proletarian.dialects import Dialect, dialect_of
 from sqla_proletarian.enqueue import Transaction, _connection_of
 from sqla_proletarian.errors import ConfigurationError, InvalidJobError, ProletarianError
 from sqla_proletarian.logs import log_event
-from sqla_proletarian.models import JOB_TABLE, Status
+from sqla_proletarian.models import JOB_TABLE, UNIQUE_KEY_INDEX, Status
+from sqla_proletarian.unique import insert_or_nothing
 from sqla_proletarian.values import Clock, check_name, utc_now
 
 __all__ = [
     "DEFAULT_PRUNE_BATCH_SIZE",
     "MAX_PRUNE_BATCH_SIZE",
     "RETRY_BATCH_SIZE",
+    "RetryReport",
     "install_tables",
     "prune_archive",
     "retry_failed",
+    "retry_failed_report",
 ]
 
 #: Rows ``prune_archive`` deletes per transaction by default.
@@ -165,6 +169,15 @@ def _cutoff(clock: Clock, older_than: timedelta) -> datetime:
 RETRY_BATCH_SIZE = 500
 
 
+@dataclass(frozen=True)
+class RetryReport:
+    """What ``retry_failed_report`` did: how many failures went back in the queue, and the
+    ids of those left archived because a queued job of their queue holds their unique key."""
+
+    put_back: int
+    key_held: tuple[uuid.UUID, ...] = ()
+
+
 def retry_failed(
     bind: Engine | Transaction,
     job_ids: Iterable[uuid.UUID | str] | None = None,
@@ -175,8 +188,11 @@ def retry_failed(
 ) -> int:
     """Put archived failures back in the queue, due now; return how many were put back.
 
-    Each keeps its ``job_id`` and starts again from zero attempts; its archive row goes in
-    the same transaction, so the archive shows the job again only once it has ended anew.
+    Each keeps its ``job_id`` and its ``unique_key``, and starts again from zero attempts;
+    its archive row goes in the same transaction, so the archive shows the job again only
+    once it has ended anew. A failure whose unique key another queued (or running) job of
+    its queue holds now stays archived as it is, is not counted, and is logged as
+    ``retry-key-held`` (``retry_failed_report`` lists them): retry it once that job is done.
     ``job_ids=None`` means every failure of ``queue`` and ``job_type`` (both optional).
     Ids that are not archived failures, or that are queued right now, are skipped.
 
@@ -185,6 +201,20 @@ def retry_failed(
     short transaction at READ COMMITTED (on SQLite under the write lock); if one fails,
     those before it stay put back. Idle workers of the queues wake at the commit.
     """
+    report = retry_failed_report(bind, job_ids, queue=queue, job_type=job_type, clock=clock)
+    return report.put_back
+
+
+def retry_failed_report(
+    bind: Engine | Transaction,
+    job_ids: Iterable[uuid.UUID | str] | None = None,
+    *,
+    queue: str | None = None,
+    job_type: str | None = None,
+    clock: Clock = utc_now,
+) -> RetryReport:
+    """``retry_failed``, telling also which failures stayed archived because a queued job
+    holds their unique key now."""
     ids = _retry_ids(job_ids)
     if queue is not None:
         check_name("queue", queue)
@@ -230,7 +260,7 @@ def _retry_batches(
     clock: Clock,
     *,
     commit: bool,
-) -> int:
+) -> RetryReport:
     """Put failures back batch by batch: the given ids in slices, or all matching until a
     batch comes back short."""
     slices = (
@@ -239,17 +269,18 @@ def _retry_batches(
         else None
     )
     total = 0
+    held: dict[uuid.UUID, None] = {}
     while slices is None or slices:
         chunk = slices.pop(0) if slices is not None else None
         if commit:
             dialect.begin_claim(conn)
-        moved, found = _retry_batch(conn, dialect, chunk, queue, job_type, clock())
+        moved, found = _retry_batch(conn, dialect, chunk, queue, job_type, clock(), held)
         if commit:
             conn.commit()
         total += moved
         if slices is None and (found < RETRY_BATCH_SIZE or moved == 0):
             break
-    return total
+    return RetryReport(total, tuple(held))
 
 
 def _retry_batch(
@@ -259,23 +290,56 @@ def _retry_batch(
     queue: str | None,
     job_type: str | None,
     now: datetime,
+    held: dict[uuid.UUID, None],
 ) -> tuple[int, int]:
-    """One batch: read the failures to put back (no locks), move them; (moved, found)."""
+    """One batch: read the failures to put back (no locks), move them; (moved, found).
+    Those whose key a queued job holds are added to ``held``."""
     rows = conn.execute(
         *sql.failures_to_retry(RETRY_BATCH_SIZE, job_ids=ids, queue=queue, job_type=job_type)
     ).all()
     if not rows:
         return 0, 0
-    found = [row.job_id for row in rows]
-    statements = sql.requeue_failed(found, now, returning=dialect.deletes_runs_with_job)
-    counts = [conn.execute(*statement).rowcount for statement in statements]
+    moved = 0
+    queues: set[str] = set()
+    unkeyed = [row for row in rows if row.unique_key is None]
+    if unkeyed:
+        found = [row.job_id for row in unkeyed]
+        statements = sql.requeue_failed(found, now, returning=dialect.deletes_runs_with_job)
+        counts = [conn.execute(*statement).rowcount for statement in statements]
+        _check_moved(counts)
+        moved += counts[0]
+        queues.update(row.queue for row in unkeyed)
+    for row in rows:
+        if row.unique_key is None:
+            continue
+        statement = sql.requeue_keyed(row.job_id, now, dialect.insert_or_nothing)
+        if insert_or_nothing(conn, dialect, statement, UNIQUE_KEY_INDEX):
+            _check_moved([1, conn.execute(*sql.delete_failure(row.job_id)).rowcount])
+            moved += 1
+            queues.add(row.queue)
+            continue
+        held[row.job_id] = None
+        log_event(
+            logging.WARNING,
+            "retry-key-held",
+            job_id=row.job_id,
+            queue=row.queue,
+            unique_key=row.unique_key,
+            hint="a queued job of the queue holds this unique key now; the failure stays "
+            "archived: retry it once that job is done",
+        )
+    if queues:
+        wakeups.enqueued(conn, queues)
+    return moved, len(rows)
+
+
+def _check_moved(counts: list[int]) -> None:
+    """The jobs queued and the archive rows removed must be as many."""
     if len(set(counts)) != 1:
         raise ProletarianError(
             f"retry_failed() queued {counts[0]} jobs but removed {counts[1]} archive rows: "
             "something changed the archive meanwhile; roll back and try again"
         )
-    wakeups.enqueued(conn, {row.queue for row in rows})
-    return counts[0], len(rows)
 
 
 # --- installing the tables -------------------------------------------------------------------

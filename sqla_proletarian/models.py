@@ -227,6 +227,8 @@ class ArchivedJob(Base):
     error: Mapped[str | None] = mapped_column(Text(), nullable=True)
     #: The job's priority negated, as in the queue (a job put back from here keeps it).
     run_order: Mapped[int] = mapped_column(SmallInteger(), server_default=text("0"))
+    #: The job's ``unique_key`` while it was queued (``retry_failed`` puts it back).
+    unique_key: Mapped[str | None] = mapped_column(name_type(), nullable=True)
 
     @property
     def priority(self) -> int:

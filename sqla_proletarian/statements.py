@@ -61,6 +61,7 @@ JOB_COLUMNS = (
     JOB.c.process_at,
     JOB.c.trace_context,
     JOB.c.run_order,
+    JOB.c.unique_key,
 )
 
 
@@ -226,6 +227,7 @@ def archive(
         "enqueued_at": job["enqueued_at"],
         "process_at": job["process_at"],
         "run_order": job["run_order"],
+        "unique_key": job.get("unique_key"),
         "status": status,
         "finished_at": finished_at,
         "error": error,
@@ -270,6 +272,7 @@ def _as_archived(columns: Any) -> Select[Any]:
         columns.enqueued_at,
         columns.process_at,
         columns.run_order,
+        columns.unique_key,
         literal("success", String(16)),
         bindparam("now", type_=ARCHIVE.c.finished_at.type),
         null(),
@@ -787,7 +790,7 @@ def _failures_to_retry(by_ids: bool, by_queue: bool, by_type: bool) -> Select[An
         conditions.append(ARCHIVE.c.queue == bindparam("queue"))
     if by_type:
         conditions.append(ARCHIVE.c.job_type == bindparam("job_type"))
-    statement = select(ARCHIVE.c.job_id, ARCHIVE.c.queue)
+    statement = select(ARCHIVE.c.job_id, ARCHIVE.c.queue, ARCHIVE.c.unique_key)
     if not by_ids:
         statement = statement.with_hint(ARCHIVE, _BY_FINISHED_AT, "mysql").with_hint(
             ARCHIVE, _BY_FINISHED_AT, "mariadb"
@@ -847,9 +850,12 @@ def _requeued(columns: Any) -> Select[Any]:
     )
 
 
+#: The bulk moves take failures without a unique key only: a keyed one goes back on its own,
+#: unless a queued job holds its key (``requeue_keyed``).
+_UNKEYED = ARCHIVE.c.unique_key.is_(None)
 _MOVED = (
     delete(ARCHIVE)
-    .where(ARCHIVE.c.job_id == _any("job_ids"), _FAILURE)
+    .where(ARCHIVE.c.job_id == _any("job_ids"), _FAILURE, _UNKEYED)
     .returning(
         ARCHIVE.c.job_id,
         ARCHIVE.c.queue,
@@ -865,7 +871,7 @@ _REQUEUE_RETURNING = (
     .add_cte(_MOVED)
     .execution_options(preserve_rowcount=True)
 )
-_FAILED_BY_ID = (ARCHIVE.c.job_id.in_(bindparam("job_ids", expanding=True)), _FAILURE)
+_FAILED_BY_ID = (ARCHIVE.c.job_id.in_(bindparam("job_ids", expanding=True)), _FAILURE, _UNKEYED)
 _REQUEUE_COPY = insert(JOB).from_select(
     list(_REQUEUED_COLUMNS), _requeued(ARCHIVE.c).where(*_FAILED_BY_ID)
 )
@@ -873,15 +879,45 @@ _DELETE_FAILED = delete(ARCHIVE).where(*_FAILED_BY_ID)
 
 
 def requeue_failed(job_ids: list[uuid.UUID], now: datetime, *, returning: bool) -> list[Statement]:
-    """Move archived failures back into the queue: one statement where ``DELETE ...
-    RETURNING`` can feed the insert (PostgreSQL), else an ``INSERT ... SELECT`` and a
-    ``DELETE`` by primary key. Each statement's row count is the number moved."""
+    """Move archived failures that have no unique key back into the queue: one statement
+    where ``DELETE ... RETURNING`` can feed the insert (PostgreSQL), else an ``INSERT ...
+    SELECT`` and a ``DELETE`` by primary key. Each statement's row count is the number moved."""
     if returning:
         return [(_REQUEUE_RETURNING, {"job_ids": job_ids, "now": now})]
     return [
         (_REQUEUE_COPY, {"job_ids": job_ids, "now": now}),
         (_DELETE_FAILED, {"job_ids": job_ids}),
     ]
+
+
+_FAILED_ONE = (ARCHIVE.c.job_id == bindparam("job_id"), _FAILURE)
+
+
+@cache
+def _requeue_keyed(form: InsertOrNothing) -> Executable:
+    rows = _requeued(ARCHIVE.c).add_columns(ARCHIVE.c.unique_key).where(*_FAILED_ONE)
+    columns = [*_REQUEUED_COLUMNS, "unique_key"]
+    module = {"postgresql_on_conflict": postgresql, "sqlite_on_conflict": sqlite}.get(form)
+    # The row count says whether the job went back (PostgreSQL drivers keep it on request).
+    if module is None:
+        return insert(JOB).from_select(columns, rows).execution_options(preserve_rowcount=True)
+    keyed = module.insert(JOB).from_select(columns, rows)
+    conflict = keyed.on_conflict_do_nothing(index_elements=[JOB.c.queue, JOB.c.unique_key])
+    return cast(Executable, conflict.execution_options(preserve_rowcount=True))
+
+
+def requeue_keyed(job_id: uuid.UUID, now: datetime, form: InsertOrNothing) -> Statement:
+    """Put one archived failure back in the queue with its unique key, unless a job of its
+    queue holds the key now (insert-or-nothing of the dialect's form)."""
+    return _requeue_keyed(form), {"job_id": job_id, "now": now}
+
+
+_DELETE_FAILED_ONE = delete(ARCHIVE).where(*_FAILED_ONE)
+
+
+def delete_failure(job_id: uuid.UUID) -> Statement:
+    """Remove one archived failure (put back in the queue by ``requeue_keyed``)."""
+    return _DELETE_FAILED_ONE, {"job_id": job_id}
 
 
 _DUE_JOB = select(JOB.c.seq).where(JOB.c.queue == bindparam("queue"), _DUE, ~_PAUSED).limit(1)

@@ -10,9 +10,10 @@ Two ways, both on top of polling, which stays the fallback:
   (``poll_only=True`` turns it off, e.g. behind a transaction-pooling proxy, where LISTEN
   does not work).
 - **In the same process** (every backend): the enqueue marks its connection, and the
-  connection's commit wakes this process's idle workers of that queue. The commit event comes
-  just before the database commits, so a woken worker polls again a few times over the next
-  ~50 ms until it sees the job.
+  connection's commit wakes this process's idle workers of that queue; a rollback, or the
+  pool's reset of a connection returned inside its transaction, clears the mark. The commit
+  event comes just before the database commits, so a woken worker polls again a few times
+  over the next ~50 ms until it sees the job.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import Connection, Engine, event
+from sqlalchemy.pool import ConnectionPoolEntry
 
 from sqla_proletarian.logs import log_event
 
@@ -78,6 +80,9 @@ def enqueued(conn: Connection, queues: set[str]) -> None:
         if local and engine not in _WATCHED:
             event.listen(engine, "commit", _on_commit)
             event.listen(engine, "rollback", _on_rollback)
+            # The pool rolls back a connection it gets back inside a transaction (a
+            # Connection dropped without close()) behind the rollback event.
+            event.listen(engine, "reset", _on_reset)
             _WATCHED.add(engine)
     if local:
         conn.info.setdefault(_PENDING, set()).update(queues)
@@ -91,6 +96,11 @@ def _on_commit(conn: Connection) -> None:
 
 def _on_rollback(conn: Connection) -> None:
     conn.info.pop(_PENDING, None)
+
+
+def _on_reset(dbapi_connection: Any, record: ConnectionPoolEntry, state: Any) -> None:
+    """A connection back in the pool: its transaction is over, so its enqueues wake nobody."""
+    record.info.pop(_PENDING, None)
 
 
 def wake_local(database: str, queues: set[str], *, committing: bool) -> None:

@@ -9,8 +9,8 @@ The DDL below is frozen: each helper is the schema change of one revision and ne
 later edits of the models. A release that changes the schema adds a revision and a helper for
 it: ``create_tables`` is ``sqlap_0001``; ``add_run_owners`` and ``add_enqueue_notifications``
 are ``sqlap_0002``; ``add_trace_context`` is ``sqlap_0003``; ``add_job_control`` is
-``sqlap_0004``. A single-head project calls each new helper from a new revision of its own,
-in that order.
+``sqlap_0004``; ``add_archived_unique_key`` is ``sqlap_0005``. A single-head project calls
+each new helper from a new revision of its own, in that order.
 """
 
 from __future__ import annotations
@@ -31,11 +31,13 @@ __all__ = [
     "HEAD_REVISION",
     "INITIAL_REVISION",
     "VERSION_LOCATION",
+    "add_archived_unique_key",
     "add_enqueue_notifications",
     "add_job_control",
     "add_run_owners",
     "add_trace_context",
     "create_tables",
+    "drop_archived_unique_key",
     "drop_enqueue_notifications",
     "drop_job_control",
     "drop_run_owners",
@@ -54,7 +56,7 @@ BRANCH_LABEL = "sqla_proletarian"
 INITIAL_REVISION = "sqlap_0001"
 
 #: The newest revision of the library's branch.
-HEAD_REVISION = "sqlap_0004"
+HEAD_REVISION = "sqlap_0005"
 
 # Table names are spelled out (not imported from the models) so the revision stays as written.
 _JOB = "proletarian_job"
@@ -292,3 +294,17 @@ def drop_job_control(op: Operations | ModuleType | None = None) -> None:
     ops.drop_column(_JOB, "unique_key")
     for table in (_ARCHIVED_JOB, _JOB):
         ops.drop_column(table, "run_order")
+
+
+def add_archived_unique_key(op: Operations | ModuleType | None = None) -> None:
+    """Keep each archived job's ``unique_key`` (``sqlap_0005``): a nullable column, so that
+    a failure put back in the queue holds its key again. Jobs archived before have none."""
+    ops = _operations(op)
+    dialect = ops.get_context().dialect
+    ops.add_column(_ARCHIVED_JOB, sa.Column("unique_key", _name(dialect), nullable=True))
+
+
+def drop_archived_unique_key(op: Operations | ModuleType | None = None) -> None:
+    """Undo :func:`add_archived_unique_key`: archived jobs stay, without their keys."""
+    ops = _operations(op)
+    ops.drop_column(_ARCHIVED_JOB, "unique_key")

@@ -9,16 +9,19 @@ import threading
 import time
 import uuid
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import sqlalchemy as sa
-from cli_support import archived, rows
+from cli_support import archived, cli, rows, url_of
 from sqlalchemy.orm import Session
 
 import sqla_proletarian as sp
 from sqla_proletarian import statements
 from sqla_proletarian.maintenance import RETRY_BATCH_SIZE
+
+if TYPE_CHECKING:
+    from conftest import Database
 
 
 def fail(engine: sa.Engine, job_type: str = "work", **kw: Any) -> uuid.UUID:
@@ -161,3 +164,74 @@ def test_retry_failed_wakes_an_idle_worker_like_an_enqueue(engine: sa.Engine) ->
     finally:
         worker.stop()
     assert archived(engine)[job_id].status == "success"
+
+
+def test_a_failure_put_back_holds_its_unique_key_again(engine: sa.Engine) -> None:
+    """A keyed job that failed goes back with its key: enqueueing the key again returns the
+    put-back job instead of adding a second one; once it succeeds, the key is free."""
+    job_id = fail(engine, unique_key="invoice-7")
+    assert archived(engine)[job_id].unique_key == "invoice-7"
+    assert sp.retry_failed(engine, [job_id]) == 1
+    with engine.begin() as conn:
+        assert sp.enqueue(conn, "work", unique_key="invoice-7") == job_id
+    [queued] = rows(engine, statements.JOB)
+    assert (queued.job_id, queued.unique_key) == (job_id, "invoice-7")
+    assert sp.process_next_job(engine, lambda job_type, payload: None)
+    assert archived(engine)[job_id].unique_key == "invoice-7"
+    with engine.begin() as conn:
+        assert sp.enqueue(conn, "work", unique_key="invoice-7") != job_id
+
+
+def test_a_failure_whose_key_a_queued_job_holds_stays_archived_and_is_reported(
+    engine: sa.Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another job took the key after the failure: the failure stays archived, is not
+    counted, is listed by retry_failed_report and logged; the others go back. Of two
+    failures with one key, the first put back takes it."""
+    held = fail(engine, unique_key="k")
+    with engine.begin() as conn:
+        holder = sp.enqueue(conn, "work", unique_key="k")
+    plain = fail(engine, queue="other")
+    first = fail(engine, queue="other", unique_key="twice")
+    second = fail(engine, queue="other", unique_key="twice")
+    with caplog.at_level("WARNING", logger="sqla_proletarian"):
+        report = sp.retry_failed_report(engine, [held, plain, first, second])
+    assert report == sp.RetryReport(put_back=2, key_held=(held, second))
+    assert [r.job_id for r in caplog.records if getattr(r, "event", None) == "retry-key-held"] == [
+        held,
+        second,
+    ]
+    assert {row.job_id for row in rows(engine, statements.JOB)} == {holder, plain, first}
+    assert {job_id: row.status for job_id, row in archived(engine).items()} == {
+        held: "failure",
+        second: "failure",
+    }
+    with engine.connect() as conn:
+        assert sp.retry_failed(conn, [held]) == 0
+    for queue in (sp.DEFAULT_QUEUE, "other"):
+        while sp.process_next_job(engine, lambda job_type, payload: None, queue=queue):
+            pass
+    assert sp.retry_failed(engine) == 2  # their keys are free again
+
+
+def test_the_cli_puts_a_keyed_failure_back_and_names_one_whose_key_is_held(
+    database: Database,
+) -> None:
+    """``retry-failed`` counts what went back with its key and names, one a line, the
+    failures left archived because a queued job holds their key."""
+    engine = database.engine()
+    free = fail(engine, unique_key="free")
+    held = fail(engine, unique_key="taken")
+    with engine.begin() as conn:
+        holder = sp.enqueue(conn, "work", unique_key="taken")
+    done = cli("retry-failed", str(free), str(held), "--url", url_of(database))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "1 failed job put back in the queue",
+        f"{held} stays archived: a queued job of its queue holds its unique_key",
+    ]
+    assert {(row.job_id, row.unique_key) for row in rows(engine, statements.JOB)} == {
+        (free, "free"),
+        (holder, "taken"),
+    }
+    assert archived(engine)[held].status == "failure"

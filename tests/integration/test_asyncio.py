@@ -30,7 +30,7 @@ from helpers import (
     run_records,
 )
 from sqlalchemy.engine import URL
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 import sqla_proletarian as sp
@@ -402,7 +402,19 @@ def test_job_handlers_dispatch_to_async_and_plain_functions_in_default_mode(
     assert failed is not None and failed.status == "failure" and "generator" in (failed.error or "")
 
 
-IDIOMS = ("add", "flush", "begin", "commit", "nested", "rollback", "execute")
+IDIOMS = (
+    "add",
+    "flush",
+    "begin",
+    "commit",
+    "nested",
+    "rollback",
+    "execute",
+    "bind-execute",
+    "connection-execute",
+    "bind-driver-sql",
+    "bind-nested",
+)
 
 
 async def write_note(session: AsyncSession, idiom: str, text: str) -> None:
@@ -429,14 +441,27 @@ async def write_note(session: AsyncSession, idiom: str, text: str) -> None:
         await session.commit()
     elif idiom == "execute":
         await session.execute(sa.insert(Note).values(text=text))
+    elif idiom == "connection-execute":
+        await (await session.connection()).execute(sa.insert(Note).values(text=text))
+    else:  # past the session, on the job's connection (``session.bind``)
+        bind = session.bind
+        assert isinstance(bind, AsyncConnection)
+        if idiom == "bind-execute":
+            await bind.execute(sa.insert(Note).values(text=text))
+        elif idiom == "bind-driver-sql":
+            await bind.exec_driver_sql(f"INSERT INTO aio_notes (text) VALUES ('{text}')")
+        else:
+            async with bind.begin_nested():
+                await bind.execute(sa.insert(Note).values(text=text))
 
 
+@EVERY_DRIVER
 def test_advanced_mode_session_writes_commit_with_the_archive_and_roll_back_if_the_handler_raises(
     async_url: URL, sync_engine: sa.Engine
 ) -> None:
     """Whatever the handler does with job.session (flush, ``async with begin()``, commit,
-    begin_nested, rollback, execute), its writes commit with the job's success, and none
-    stays when it raises afterwards."""
+    begin_nested, rollback, execute, or statements on ``job.session.bind`` past the session),
+    its writes commit with the job's success, and none stays when it raises afterwards."""
     handlers = sp.JobHandlers()
 
     @handlers.default

@@ -182,3 +182,113 @@ def test_a_job_already_archived_in_a_batch_is_replaced_and_the_batch_goes_on(
     row = archived_job(engine, job_id)
     assert row is not None and row.payload == "2"
     assert count(engine, sp.ArchivedJob) == 2
+
+
+#: A trigger that makes the archive row of a "poison" job too long for its status column:
+#: the server refuses the batch's archive insert (a DataError), as a real constraint would.
+REFUSE_POISON = {
+    "postgresql": (
+        "CREATE FUNCTION refuse_poison() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+        "IF NEW.job_type = 'poison' THEN NEW.status := repeat('x', 20); END IF; "
+        "RETURN NEW; END $$",
+        "CREATE TRIGGER refuse_poison BEFORE INSERT ON proletarian_archived_job "
+        "FOR EACH ROW EXECUTE FUNCTION refuse_poison()",
+    ),
+    "mariadb": (
+        "CREATE TRIGGER refuse_poison BEFORE INSERT ON proletarian_archived_job "
+        "FOR EACH ROW BEGIN IF NEW.job_type = 'poison' THEN "
+        "SET NEW.status = REPEAT('x', 20); END IF; END",
+    ),
+}
+ALLOW_POISON = {
+    "postgresql": ("DROP TRIGGER refuse_poison ON proletarian_archived_job",),
+    "mariadb": ("DROP TRIGGER refuse_poison",),
+}
+
+
+def test_a_batch_whose_outcomes_cannot_be_written_ends_without_any_and_runs_again(
+    engine: sa.Engine, backend: str
+) -> None:
+    """Three jobs succeed, but the server refuses the archive row of the second: the claim
+    ends with no outcome at all (none archived as failed, every job still queued with no
+    attempt counted, no run record left) and the error reaches the caller; once the server
+    takes the rows, each job runs again and is archived once, as a success."""
+    if backend == "sqlite":
+        pytest.skip("SQLite claims one job at a time")
+    with engine.begin() as conn:
+        ids = sp.enqueue_many(conn, [("ok", 0), ("poison", 1), ("ok", 2)])
+        for statement in REFUSE_POISON[backend]:
+            conn.exec_driver_sql(statement)
+    ran: list[int] = []
+
+    def handler(job_type: str, n: int) -> None:
+        ran.append(n)
+
+    with pytest.raises(sa.exc.DataError):
+        sp.process_next_job(engine, handler, batch_size=5)
+    assert ran == [0, 1, 2]
+    assert archived(engine) == []
+    assert sorted((job.job_id, job.attempts) for job in jobs(engine)) == sorted(
+        (job_id, 0) for job_id in ids
+    )
+    assert run_records(engine) == 0
+
+    with engine.begin() as conn:
+        for statement in ALLOW_POISON[backend]:
+            conn.exec_driver_sql(statement)
+    assert sp.process_next_job(engine, handler, batch_size=5)
+    assert ran == [0, 1, 2, 0, 1, 2]
+    rows = {row.job_id: row for row in archived(engine)}
+    assert [(rows[i].status, rows[i].attempts) for i in ids] == [("success", 1)] * 3
+    assert jobs(engine) == []
+    assert run_records(engine) == 0
+
+
+#: A trigger that makes the retry of a "poison" job too long for its job_type column.
+REFUSE_RETRY = {
+    "postgresql": (
+        "CREATE FUNCTION refuse_retry() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+        "IF NEW.job_type = 'poison' THEN NEW.job_type := repeat('x', 300); END IF; "
+        "RETURN NEW; END $$",
+        "CREATE TRIGGER refuse_retry BEFORE UPDATE ON proletarian_job "
+        "FOR EACH ROW EXECUTE FUNCTION refuse_retry()",
+    ),
+    "mariadb": (
+        "CREATE TRIGGER refuse_retry BEFORE UPDATE ON proletarian_job "
+        "FOR EACH ROW BEGIN IF NEW.job_type = 'poison' THEN "
+        "SET NEW.job_type = REPEAT('x', 300); END IF; END",
+    ),
+}
+
+
+def test_a_job_whose_retry_cannot_be_written_fails_alone_and_its_batch_mates_run_again(
+    engine: sa.Engine, backend: str
+) -> None:
+    """The second job of a batch raises and its retry is refused by the server: it is
+    archived as failed on its own, the others' outcomes roll back with the claim, no run
+    record of theirs is left behind, and they then run again and succeed once."""
+    if backend == "sqlite":
+        pytest.skip("SQLite claims one job at a time")
+    with engine.begin() as conn:
+        ids = sp.enqueue_many(conn, [("ok", 0), ("poison", 1), ("ok", 2)])
+        for statement in REFUSE_RETRY[backend]:
+            conn.exec_driver_sql(statement)
+    ran: list[int] = []
+
+    def handler(job_type: str, n: int) -> None:
+        ran.append(n)
+        if job_type == "poison":
+            raise RuntimeError("poison")
+
+    options: dict[str, Any] = {"batch_size": 5, "retry_strategy": lambda j, e: sp.RetryStrategy(1)}
+    assert sp.process_next_job(engine, handler, **options)
+    assert ran == [0, 1]
+    [poisoned] = archived(engine)
+    assert (poisoned.job_id, poisoned.status) == (ids[1], "failure")
+    assert "could not be recorded" in (poisoned.error or "")
+    assert run_records(engine) == 0
+    assert sp.process_next_job(engine, handler, **options)
+    assert ran == [0, 1, 0, 2]
+    rows = {row.job_id: row for row in archived(engine)}
+    assert [(rows[i].status, rows[i].attempts) for i in (ids[0], ids[2])] == [("success", 1)] * 2
+    assert run_records(engine) == 0

@@ -187,12 +187,45 @@ def _orm_add(session: Session) -> None:
     session.flush()
 
 
+def _job_connection(session: Session) -> sa.Connection:
+    """The job's Connection, reached past the Session (``job.session.bind``)."""
+    bind = session.bind
+    assert isinstance(bind, sa.Connection)
+    return bind
+
+
+_CREDIT_ONE = sa.update(ACCOUNTS).where(ACCOUNTS.c.id == 1).values(balance=ACCOUNTS.c.balance + 1)
+
+
+def _bind_execute(session: Session) -> None:
+    _job_connection(session).execute(_CREDIT_ONE)
+
+
+def _connection_execute(session: Session) -> None:
+    session.connection().execute(_CREDIT_ONE)
+
+
+def _bind_driver_sql(session: Session) -> None:
+    _job_connection(session).exec_driver_sql(
+        "UPDATE hardening_account SET balance = balance + 1 WHERE id = 1"
+    )
+
+
+def _bind_nested(session: Session) -> None:
+    with _job_connection(session).begin_nested():
+        _job_connection(session).execute(_CREDIT_ONE)
+
+
 SESSION_IDIOMS = {
     "with-begin": _begin_block,
     "commit": _commit,
     "begin-nested": _nested,
     "rollback-then-write": _rollback_then_write,
     "flush": _orm_add,
+    "bind-execute": _bind_execute,
+    "connection-execute": _connection_execute,
+    "bind-exec-driver-sql": _bind_driver_sql,
+    "bind-begin-nested": _bind_nested,
 }
 
 
@@ -216,6 +249,52 @@ def test_the_handlers_writes_roll_back_if_it_raises_whatever_it_did_with_its_ses
     assert row is not None
     assert row.status == ("failure" if raises else "success")
     assert balances(engine) == ({1: 0, 2: 0} if raises else {1: 1, 2: 0})
+
+
+def test_writes_past_the_session_roll_back_with_a_retried_run_and_commit_with_its_success(
+    engine: sa.Engine, accounts: sa.Table
+) -> None:
+    """Through ``job.session.bind``: the first run writes and raises, and is retried with
+    nothing written; the second run's write commits with its success."""
+    job_id = enqueue_committed(engine, "retried")
+
+    def handler(job: sp.JobContext) -> None:
+        _bind_execute(job.session)
+        if job.attempts == 1:
+            raise RuntimeError("first run")
+
+    options: dict[str, Any] = {"handler_mode": "advanced"}
+    options["retry_strategy"] = lambda job, exc: sp.RetryStrategy(1, delays=[0])
+    assert sp.process_next_job(engine, handler, **options)
+    row = job_row(engine, job_id)
+    assert row is not None and row.attempts == 1
+    assert balances(engine) == {1: 0, 2: 0}
+    assert sp.process_next_job(engine, handler, **options)
+    assert archived_job(engine, job_id).status == "success"  # type: ignore[union-attr]
+    assert balances(engine) == {1: 1, 2: 0}
+
+
+def test_a_handler_that_executes_nothing_costs_no_savepoint(engine: sa.Engine) -> None:
+    """The worker's savepoint opens at the handler's first statement, not before: none for
+    a handler that never touches the job's connection, one for a handler that does."""
+    statements: list[str] = []
+
+    def seen(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        statements.append(statement.split()[0].upper())
+
+    sa.event.listen(engine, "before_cursor_execute", seen)
+    savepoints = []
+    for touch in (False, True):
+        enqueue_committed(engine, "touch" if touch else "idle")
+        statements.clear()
+
+        def handler(job: sp.JobContext, touch: bool = touch) -> None:
+            if touch:
+                _job_connection(job.session).execute(sa.text("SELECT 1"))
+
+        assert sp.process_next_job(engine, handler, handler_mode="advanced")
+        savepoints.append(statements.count("SAVEPOINT"))
+    assert savepoints == [0, 1]
 
 
 # --- 3. engines with other isolation levels -------------------------------------------------

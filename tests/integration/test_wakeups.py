@@ -3,6 +3,7 @@ PostgreSQL, in-process everywhere); a rolled-back one wakes nobody."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -94,6 +95,32 @@ def test_a_rolled_back_enqueue_wakes_nobody(engine: sa.Engine, polls: Polls) -> 
         assert started.wait(5)
     finally:
         worker.stop()
+
+
+def test_an_enqueue_whose_connection_the_pool_resets_wakes_nobody_at_a_later_commit(
+    engine: sa.Engine, polls: Polls
+) -> None:
+    """A Connection dropped without close() inside its transaction is rolled back by the
+    pool, behind SQLAlchemy's rollback event; the next transaction on that DBAPI connection
+    (one connection in the pool) commits without waking the worker for the vanished job."""
+    started = threading.Event()
+    worker = started_worker(engine, started, poll_only=True)
+    app = sa.create_engine(engine.url, pool_size=1, max_overflow=0)
+    try:
+        before = settle(polls)
+        dropped = app.connect()
+        sp.enqueue(dropped, "never", None)
+        del dropped
+        gc.collect()  # the pool resets (rolls back) the connection it gets back
+        with app.begin() as conn:
+            conn.execute(sa.text("SELECT 1"))
+        time.sleep(0.5)
+        assert polls.count == before, "a commit woke the worker for a rolled-back enqueue"
+        enqueue_committed(app, "now")
+        assert started.wait(5)
+    finally:
+        worker.stop()
+        app.dispose()
 
 
 def test_postgresql_workers_are_woken_by_notify_whoever_inserts_the_job(

@@ -272,11 +272,13 @@ import sqlalchemy as sa
 from alembic import op
 
 from sqla_proletarian.migrations import (
+    add_archived_unique_key,
     add_enqueue_notifications,
     add_job_control,
     add_run_owners,
     add_trace_context,
     create_tables,
+    drop_archived_unique_key,
     drop_enqueue_notifications,
     drop_job_control,
     drop_run_owners,
@@ -330,12 +332,13 @@ def user_project(root: Path, *, calls_helpers: bool, library_location: bool) -> 
         extra_doc=" and the library's tables" if calls_helpers else "",
         upgrade_extra=(
             "create_tables(op); add_run_owners(op); add_enqueue_notifications(op); "
-            "add_trace_context(op); add_job_control(op)"
+            "add_trace_context(op); add_job_control(op); add_archived_unique_key(op)"
             if calls_helpers
             else "pass"
         ),
         downgrade_extra=(
-            "drop_job_control(op); drop_trace_context(op); drop_enqueue_notifications(op); "
+            "drop_archived_unique_key(op); drop_job_control(op); drop_trace_context(op); "
+            "drop_enqueue_notifications(op); "
             "drop_run_owners(op); drop_tables(op)"
             if calls_helpers
             else "pass"
@@ -467,7 +470,7 @@ def test_upgrading_from_the_first_revision_keeps_queued_jobs_and_drops_ownerless
 def test_upgrading_a_database_with_queued_jobs_to_the_last_revision_and_back_keeps_them(
     empty_database: Database,
 ) -> None:
-    """sqlap_0001 -> sqlap_0004 with jobs queued and archived: they stay, with priority 0
+    """sqlap_0001 -> head with jobs queued and archived: they stay, with priority 0
     and no unique key, and still run in due order; keyed and prioritised jobs can be added.
     Back to sqlap_0001 the queued jobs stay again (their priorities and keys are dropped)."""
     engine = empty_database.engine()
@@ -524,6 +527,77 @@ def test_upgrading_a_database_with_queued_jobs_to_the_last_revision_and_back_kee
         columns = {column["name"] for column in sa.inspect(conn).get_columns("proletarian_job")}
         assert columns == set(OLD_JOB_COLUMNS) | {"seq"}
         assert not sa.inspect(conn).has_table("proletarian_periodic")
+
+
+def test_upgrading_to_the_archived_unique_key_keeps_queued_and_archived_jobs(
+    empty_database: Database,
+) -> None:
+    """sqlap_0004 -> sqlap_0005 with a keyed job queued and a failure archived: both stay
+    (the old failure without a key, and it can be put back); the keyed job's outcome keeps
+    its key. Back to sqlap_0004 both archive rows stay, without the column."""
+    engine = empty_database.engine()
+    config = library_config()
+    run(config, engine, command.upgrade, "sqlap_0004")
+    now = sp.utc_now()
+    old_archive = sa.table(
+        "proletarian_archived_job",
+        *(sa.column(name, sp.ArchivedJob.__table__.c[name].type) for name in OLD_ARCHIVE_COLUMNS),
+    )
+    failed_id = uuid.uuid4()
+    with Session(engine) as session:
+        keyed = sp.enqueue(session, "keyed", unique_key="k")
+        session.execute(
+            sa.insert(old_archive).values(
+                job_id=failed_id,
+                queue="default",
+                job_type="old-failure",
+                payload="{}",
+                attempts=1,
+                enqueued_at=now,
+                process_at=now,
+                status="failure",
+                finished_at=now,
+                error="boom",
+                run_order=0,
+            )
+        )
+        session.commit()
+    run(config, engine, command.upgrade, "heads")
+    assert versions_in_database(engine) == {spm.HEAD_REVISION}
+    assert differences(engine, sp.metadata) == []
+    with Session(engine) as session:
+        old = session.get(sp.ArchivedJob, failed_id)
+        assert old is not None and (old.status, old.unique_key) == ("failure", None)
+    assert sp.process_next_job(engine, lambda job_type, payload: None)
+    with Session(engine) as session:
+        done = session.get(sp.ArchivedJob, keyed)
+        assert done is not None and (done.status, done.unique_key) == ("success", "k")
+    assert sp.retry_failed(engine, [failed_id]) == 1
+    assert sp.process_next_job(engine, lambda job_type, payload: None)
+
+    run(config, engine, command.downgrade, "sqlap_0004")
+    assert versions_in_database(engine) == {"sqlap_0004"}
+    with engine.connect() as conn:
+        rows = conn.execute(sa.select(old_archive.c.job_id, old_archive.c.status)).all()
+        assert set(rows) == {(keyed, "success"), (failed_id, "success")}
+        columns = {c["name"] for c in sa.inspect(conn).get_columns("proletarian_archived_job")}
+        assert columns == set(OLD_ARCHIVE_COLUMNS)
+
+
+#: The archive's columns in sqlap_0004.
+OLD_ARCHIVE_COLUMNS = (
+    "job_id",
+    "queue",
+    "job_type",
+    "payload",
+    "attempts",
+    "enqueued_at",
+    "process_at",
+    "status",
+    "finished_at",
+    "error",
+    "run_order",
+)
 
 
 #: The job table's columns in the first revision (``seq`` aside).
