@@ -426,6 +426,15 @@ def runs_of(job_id: uuid.UUID) -> Statement:
     return _RUNS_OF, {"job_id": job_id}
 
 
+_END_RUN = delete(RUN).where(RUN.c.run_id == bindparam("run_id"))
+
+
+def end_run(run_id: uuid.UUID) -> Statement:
+    """Remove one run record by primary key: an equality on a unique key locks the record
+    only, never a gap beside it, at any isolation level (job control)."""
+    return _END_RUN, {"run_id": run_id}
+
+
 def end_runs_by_id(
     runs: Iterable[tuple[uuid.UUID, uuid.UUID]], *, force_index: bool = False
 ) -> Statement:
