@@ -293,8 +293,8 @@ def _upserted(upsert: ArchiveUpsert, rows: Select[Any] | None = None) -> Insert:
 #: The indexes that statements reading many rows by key name where the dialect forces them
 #: (``force_index``): on a small table MySQL and MariaDB plan ``WHERE key IN (...)`` as a
 #: scan, and InnoDB locks every row a locking statement reads, rows other claims hold included.
-#: Run records go by the job-id index, even those known by id: MariaDB scans the table for a
-#: delete by primary key however it is hinted.
+#: Run records go by the job-id index, even those known by id: on a small table MariaDB plans
+#: a delete by a list of primary keys as a scan, hinted or not.
 _JOB_BY_ID = "FORCE INDEX (uq_proletarian_job_job_id)"
 _RUN_BY_JOB = "FORCE INDEX (ix_proletarian_job_run_job_id)"
 #: The table's name in a delete that names its index (no identifier of the user's).
