@@ -204,7 +204,7 @@ def test_a_fault_free_batched_drain_by_four_threads_runs_every_handler_exactly_o
     scanned the small job or run-record table locked rows other batches had claimed, and the
     victim batch ran again whole. (SQLite claims one job at a time: fewer jobs.)"""
     caplog.set_level(logging.DEBUG, logger="sqla_proletarian")
-    total = 100 if engine.dialect.name == "sqlite" else 600
+    total = 100 if engine.dialect.name == "sqlite" else 1000
     with engine.begin() as conn:
         sp.enqueue_many(conn, [("n", n) for n in range(total)])
     runs: Counter[int] = Counter()
@@ -215,7 +215,7 @@ def test_a_fault_free_batched_drain_by_four_threads_runs_every_handler_exactly_o
             runs[n] += 1
 
     worker = sp.create_queue_worker(
-        engine, handler, worker_threads=4, batch_size=25, polling_interval=0.01
+        engine, handler, worker_threads=4, batch_size=20, polling_interval=0.01
     )
     with running(worker):
         assert wait_for(lambda: worker.summary()["succeeded"] >= total, timeout=60)
