@@ -37,9 +37,10 @@ def cancel_job(
 
     Every lock it takes is on a row it found, never on the gaps between rows (which InnoDB
     takes at REPEATABLE READ, MySQL's default): an open transaction that cancelled a job
-    holds up no worker's claims. Its run records are read, then deleted by primary key; at
-    REPEATABLE READ, one that a dead worker committed after the transaction's snapshot was
-    taken stays behind (it names a job that has left the queue).
+    holds up no worker's claims. The job is read before it is locked, and its run records
+    are read, then deleted by primary key. So at REPEATABLE READ the cancel sees the
+    transaction's snapshot, as on PostgreSQL: a job enqueued after it was taken is not
+    cancelled (False), and a run record committed after it stays behind.
     """
     if not isinstance(job_id, uuid.UUID):
         raise InvalidJobError("job_id", f"{job_id!r} is not a uuid.UUID")
