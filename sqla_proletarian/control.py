@@ -34,12 +34,22 @@ def cancel_job(
     A job a worker is running is skipped, not waited for (``FOR UPDATE SKIP LOCKED``). On
     SQLite a running job holds the database's write lock, so the cancel waits for the run
     to end (up to the connection's busy timeout), then finds the job gone and returns False.
+
+    Every lock it takes is on a row it found, never on the gaps between rows (which InnoDB
+    takes at REPEATABLE READ, MySQL's default): an open transaction that cancelled a job
+    holds up no worker's claims. The job is read before it is locked, and its run records
+    are read, then deleted by primary key. So at REPEATABLE READ the cancel sees the
+    transaction's snapshot, as on PostgreSQL: a job enqueued after it was taken is not
+    cancelled (False), and a run record committed after it stays behind.
     """
     if not isinstance(job_id, uuid.UUID):
         raise InvalidJobError("job_id", f"{job_id!r} is not a uuid.UUID")
     conn = _connection_of(session_or_connection, "cancel_job")
     dialect = dialect_of(conn)
     now = check_aware("clock()", clock())
+    # A locking read that finds no row would lock the gap where it would be.
+    if conn.execute(*sql.queued_job(job_id)).first() is None:
+        return False
     job = conn.execute(*sql.lock_queued_job(job_id)).mappings().first()
     if job is None:
         return False
@@ -49,7 +59,10 @@ def cancel_job(
         deleted = conn.execute(*sql.delete_job_and_runs(job_id)).rowcount
     else:
         deleted = conn.execute(*sql.delete_job(job_id)).rowcount
-        conn.execute(*sql.end_runs(job_id))
+        # By primary key: a delete through the job-id index locks the gaps around it, and
+        # every worker's run-record insert would wait for the caller's commit.
+        for run in conn.execute(*sql.runs_of(job_id)).all():
+            conn.execute(*sql.end_run(run.run_id))
     if deleted != 1:
         return False
     conn.execute(

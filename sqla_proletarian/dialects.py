@@ -52,8 +52,8 @@ class Dialect:
     separate_ledger: bool
     owner_lock: OwnerLock
     archive_upsert: ArchiveUpsert
-    #: Session settings of the run-record connection that make its commits cheap, and the
-    #: statements that undo them before it goes back to the pool.
+    #: Session settings of the run-record connection that make its commits cheap (or its
+    #: deletes lock no gaps), and the statements that undo them before it goes back to the pool.
     ledger_setup: tuple[str, ...] = ()
     ledger_reset: tuple[str, ...] = ()
     #: Whether one statement can delete a job and its run records (a DML CTE).
@@ -68,6 +68,10 @@ class Dialect:
     snapshot_conflict_fails: bool = False
     #: Whether a transaction can NOTIFY the workers' channel (sent at its commit).
     notifies: bool = False
+    #: Whether statements reading many rows by key name the index to read (FORCE INDEX): on
+    #: a small table MySQL and MariaDB would rather scan, and InnoDB locks every row that a
+    #: locking statement reads, the rows of other claims included (deadlocks).
+    force_index: bool = False
 
     @contextmanager
     def claim_connection(self, engine: Engine) -> Iterator[Connection]:
@@ -178,6 +182,11 @@ _MYSQL = {
     "owner_lock": "named",
     "archive_upsert": "mysql_on_duplicate_key",
     "insert_or_nothing": "mysql_duplicate_key_error",
+    "force_index": True,
+    # READ COMMITTED, as the claims: at the server's REPEATABLE READ a delete locks the gaps
+    # between the records it reads, and other workers' record inserts wait for them.
+    # SQLAlchemy puts the session's own level back when the connection returns to the pool.
+    "ledger_setup": ("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED",),
 }
 DIALECTS: dict[str, Dialect] = {
     "postgresql": Dialect(

@@ -260,12 +260,12 @@ class JobRunner:
         if not self._separate_ledger:
             return
         records = [c.record for c in list(self._in_flight.values()) if c.record is not None]
-        run_ids = [run_id for r in records for run_id in r.run_ids.values()]
+        run_ids = [pair for r in records for pair in r.run_ids.items()]
         if not run_ids:
             return
         try:
             with self.dialect.ledger_connection(self.engine) as conn:
-                conn.execute(*sql.end_runs_by_id(run_ids))
+                conn.execute(*sql.end_runs_by_id(run_ids, force_index=self.dialect.force_index))
         except Exception as exc:
             log_event(logging.WARNING, "run-record-cleanup-error", error=repr(exc))
             return
@@ -347,9 +347,12 @@ class JobRunner:
         succeeded = [c.job["job_id"] for c, _, _ in done if c.deferred]
         ended = [c.job["job_id"] for c, outcome, _ in done if outcome != "retried"]
         record = connections.record
-        own = list(record.run_ids.values()) if record is not None else []
+        # The records of the ended jobs go by job id, the claim's own with them.
+        runs = record.run_ids if record is not None else {}
+        own = {job_id: run_id for job_id, run_id in runs.items() if job_id not in ended}
+        force_index = self.dialect.force_index
         if not succeeded:
-            for statement in sql.end_claim_runs(ended, own):
+            for statement in sql.end_claim_runs(ended, own, force_index=force_index):
                 conn.execute(*statement)
             return
         statements = sql.archive_succeeded(
@@ -359,6 +362,7 @@ class JobRunner:
             self.now(),
             upsert=self.dialect.archive_upsert,
             returning=self.dialect.deletes_runs_with_job,
+            force_index=force_index,
         )
         counted = [conn.execute(*statement).rowcount for statement in statements]
         # The job rows the archive insert read (PostgreSQL) or the job delete removed.
@@ -468,8 +472,8 @@ class JobRunner:
                         return
             except Exception as exc:
                 log_event(logging.DEBUG, "run-record-cleanup-error", error=repr(exc))
-        for run_id in record.run_ids.values():
-            ledger.add_orphan(self._database, run_id)
+        for job_id, run_id in record.run_ids.items():
+            ledger.add_orphan(self._database, job_id, run_id)
         record.ended()
 
     def _lost_while_running(self, connections: WorkerConnections, claim: _Claim) -> bool:
@@ -490,13 +494,13 @@ class JobRunner:
             return
         conn = connections.records_on
         try:
-            conn.execute(*sql.end_runs_by_id(orphans))
+            conn.execute(*sql.end_runs_by_id(orphans, force_index=self.dialect.force_index))
             if conn.in_transaction():
                 conn.commit()
         except Exception:
             _rollback_quietly(conn)
-            for run_id in orphans:
-                ledger.add_orphan(self._database, run_id)
+            for job_id, run_id in orphans:
+                ledger.add_orphan(self._database, job_id, run_id)
             raise
 
     def _interrupted(

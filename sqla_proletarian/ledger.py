@@ -55,9 +55,9 @@ from sqla_proletarian.logs import log_event
 
 #: SQLite's owner of every record this process writes: the process itself, on one machine.
 _process_owner: tuple[int, str] | None = None
-#: Run records this process gave up but could not remove yet, by database; removed before
-#: the next claim on that database.
-_ORPHANS: dict[str, list[uuid.UUID]] = {}
+#: Run records this process gave up but could not remove yet, as (job id, run id), by
+#: database; removed before the next claim on that database.
+_ORPHANS: dict[str, list[tuple[uuid.UUID, uuid.UUID]]] = {}
 _LOCK = threading.Lock()
 #: Seconds a record's owner must stay gone before its run counts as an unclean end: longer
 #: than a live worker takes to notice that its owner's session ended and take it back.
@@ -132,14 +132,15 @@ def held_jobs(database: str) -> list[uuid.UUID]:
         return list(held)[:MAX_HELD]
 
 
-def add_orphan(database: str, run_id: uuid.UUID) -> None:
-    """Remember a record to remove before the next claim on ``database``."""
+def add_orphan(database: str, job_id: uuid.UUID, run_id: uuid.UUID) -> None:
+    """Remember a record (of ``job_id``) to remove before the next claim on ``database``."""
     with _LOCK:
-        _ORPHANS.setdefault(database, []).append(run_id)
+        _ORPHANS.setdefault(database, []).append((job_id, run_id))
 
 
-def take_orphans(database: str) -> list[uuid.UUID]:
-    """The records waiting to be removed on ``database`` (put back with add_orphan on failure)."""
+def take_orphans(database: str) -> list[tuple[uuid.UUID, uuid.UUID]]:
+    """The records waiting to be removed on ``database``, as (job id, run id) (put back with
+    add_orphan on failure)."""
     with _LOCK:
         return _ORPHANS.pop(database, [])
 
@@ -368,6 +369,10 @@ class ClaimRecords:
         ]
         conn.execute(*sql.start_runs(rows, unnest=self.dialect.bulk_insert_unnest))
 
+    def _end_runs(self) -> sql.Statement:
+        """The delete of the claim's records, by id."""
+        return sql.end_runs_by_id(self.run_ids.items(), force_index=self.dialect.force_index)
+
     def ended(self) -> None:
         """The outcomes' commit removed the records."""
         self.run_ids = {}
@@ -379,7 +384,7 @@ class ClaimRecords:
         if not self.run_ids:
             return
         try:
-            conn.execute(*sql.end_runs_by_id(list(self.run_ids.values())))
+            conn.execute(*self._end_runs())
             self.run_ids = {job_id: uuid.uuid4()}
             self.owner, owner = None, self.owner
             try:
@@ -412,7 +417,7 @@ class ClaimRecords:
         if not self.run_ids:
             return True
         try:
-            conn.execute(*sql.end_runs_by_id(list(self.run_ids.values())))
+            conn.execute(*self._end_runs())
             if conn.in_transaction():
                 conn.commit()
         except Exception as exc:

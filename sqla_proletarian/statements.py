@@ -8,6 +8,7 @@ fact from ``dialects`` that decides the form.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterable
 from datetime import datetime
 from functools import cache
 from typing import Any, cast
@@ -34,11 +35,13 @@ from sqlalchemy import (
     select,
     table,
     true,
+    tuple_,
     update,
 )
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.elements import BindParameter
+from sqlalchemy.sql.selectable import Alias
 
 from sqla_proletarian.dialects import ArchiveUpsert, InsertOrNothing, OwnerLock
 from sqla_proletarian.models import ArchivedJob, Job, JobRun, PausedQueue, PeriodicSchedule
@@ -304,10 +307,36 @@ def _upserted(upsert: ArchiveUpsert, rows: Select[Any] | None = None) -> Insert:
     return plain if rows is None else plain.from_select(_ARCHIVED_COLUMNS, rows)
 
 
-#: The run records of every job the claim ended, and the claim's own records (also those of
-#: jobs it retried or never started), removed when the claim finishes.
-_ENDED_RUNS = delete(RUN).where(RUN.c.job_id.in_(bindparam("ended", expanding=True)))
-_OWN_RUNS = delete(RUN).where(RUN.c.run_id.in_(bindparam("own", expanding=True)))
+#: The indexes that statements reading many rows by key name where the dialect forces them
+#: (``force_index``): on a small table MySQL and MariaDB plan ``WHERE key IN (...)`` as a
+#: scan, and InnoDB locks every row a locking statement reads, rows other claims hold included.
+#: Run records go by the job-id index, even those known by id: on a small table MariaDB plans
+#: a delete by a list of primary keys as a scan, hinted or not.
+_JOB_BY_ID = "FORCE INDEX (uq_proletarian_job_job_id)"
+_RUN_BY_JOB = "FORCE INDEX (ix_proletarian_job_run_job_id)"
+#: The table's name in a delete that names its index (no identifier of the user's).
+_TARGET = "target"
+#: ``job_id IN (:ended)``: every record of the jobs; ``(job_id, run_id) IN (:runs)``: the
+#: records of those ids (one IN of pairs: two IN lists make MariaDB scan, hint or not).
+_OF_JOBS = ("job_id",)
+_BY_ID = ("job_id", "run_id")
+
+
+@cache
+def _delete_by(table: Table, keys: tuple[str, ...], ids: str, force_index: bool) -> Executable:
+    """``DELETE ... WHERE key IN (:ids)`` (or ``(key, ...) IN``); with ``force_index``,
+    MySQL's multi-table form ``DELETE target FROM table AS target FORCE INDEX (...)``, the
+    only DELETE that takes an index hint (other servers get the plain form)."""
+    target = cast(Alias, table.alias(_TARGET)) if force_index else table
+    key = target.c[keys[0]] if len(keys) == 1 else tuple_(*(target.c[name] for name in keys))
+    statement = delete(target).where(key.in_(bindparam(ids, expanding=True)))
+    if not force_index:
+        return statement
+    hint = _JOB_BY_ID if table is JOB else _RUN_BY_JOB
+    for name in ("mysql", "mariadb"):
+        statement = statement.prefix_with(_TARGET, dialect=name)
+        statement = statement.with_hint(hint, dialect_name=name)
+    return statement
 
 
 def _any(name: str) -> Any:
@@ -325,50 +354,53 @@ def _succeeded_returning(upsert: ArchiveUpsert) -> Executable:
 
 
 @cache
-def _succeeded_copy(upsert: ArchiveUpsert) -> Executable:
+def _succeeded_copy(upsert: ArchiveUpsert, force_index: bool) -> Executable:
     copied = _as_archived(JOB.c).where(JOB.c.job_id.in_(_IDS))
+    if force_index:
+        copied = copied.with_hint(JOB, _JOB_BY_ID, "mysql").with_hint(JOB, _JOB_BY_ID, "mariadb")
     return _upserted(upsert, copied)
 
 
-_DELETE_JOBS = delete(JOB).where(JOB.c.job_id.in_(_IDS))
-
-
-def end_claim_runs(ended: list[uuid.UUID], own_runs: list[uuid.UUID]) -> list[Statement]:
-    """Remove the run records of the jobs a claim ended, and the claim's own: two deletes,
-    each through its index (an OR of both would scan the table, and InnoDB would lock what
-    it scans)."""
+def end_claim_runs(
+    ended: list[uuid.UUID], own_runs: dict[uuid.UUID, uuid.UUID], *, force_index: bool = False
+) -> list[Statement]:
+    """Remove the run records of the jobs a claim ended, and the claim's own records of the
+    jobs it did not end (retried or never started; job id: run id): two deletes, each through
+    the index (an OR of both would scan the table, and InnoDB would lock what it scans)."""
     statements: list[Statement] = []
     if ended:
-        statements.append((_ENDED_RUNS, {"ended": ended}))
+        statements.append((_delete_by(RUN, _OF_JOBS, "ended", force_index), {"ended": ended}))
     if own_runs:
-        statements.append((_OWN_RUNS, {"own": own_runs}))
+        statements.append(end_runs_by_id(own_runs.items(), force_index=force_index))
     return statements
 
 
 def archive_succeeded(
     job_ids: list[uuid.UUID],
     ended: list[uuid.UUID],
-    own_runs: list[uuid.UUID],
+    own_runs: dict[uuid.UUID, uuid.UUID],
     now: datetime,
     *,
     upsert: ArchiveUpsert,
     returning: bool,
+    force_index: bool = False,
 ) -> list[Statement]:
     """Archive the succeeded jobs of a claim from their queue rows (their payloads never
     travel back) and remove them, then the run records of every job the claim ended
-    (``ended``) and the claim's own record.
+    (``ended``) and the claim's own records of the others (``own_runs``).
 
     One statement where ``DELETE ... RETURNING`` can feed the archive (PostgreSQL); else an
-    ``INSERT ... SELECT`` and two deletes. The first statement's row count (PostgreSQL) or
-    the job delete's tells whether every job row was still there.
+    ``INSERT ... SELECT`` and deletes, each reading the jobs' or records' index (named, with
+    ``force_index``). The first statement's row count (PostgreSQL) or the job delete's tells
+    whether every job row was still there.
     """
     if returning:
-        runs = {"ended": ended, "own": own_runs}
+        runs = {"ended": ended, "own": list(own_runs.values())}
         return [(_succeeded_returning(upsert), {"ids": job_ids, "now": now, **runs})]
     return [
-        (_succeeded_copy(upsert), {"ids": job_ids, "now": now}),
-        (_DELETE_JOBS, {"ids": job_ids}),
-        *end_claim_runs(ended, own_runs),
+        (_succeeded_copy(upsert, force_index), {"ids": job_ids, "now": now}),
+        (_delete_by(JOB, ("job_id",), "ids", force_index), {"ids": job_ids}),
+        *end_claim_runs(ended, own_runs, force_index=force_index),
     ]
 
 
@@ -411,12 +443,21 @@ def runs_of(job_id: uuid.UUID) -> Statement:
     return _RUNS_OF, {"job_id": job_id}
 
 
-_END_RUNS_BY_ID = delete(RUN).where(RUN.c.run_id.in_(bindparam("ids", expanding=True)))
+_END_RUN = delete(RUN).where(RUN.c.run_id == bindparam("run_id"))
 
 
-def end_runs_by_id(run_ids: list[uuid.UUID]) -> Statement:
-    """Remove run records by id: their live worker gave their runs up."""
-    return _END_RUNS_BY_ID, {"ids": run_ids}
+def end_run(run_id: uuid.UUID) -> Statement:
+    """Remove one run record by primary key: an equality on a unique key locks the record
+    only, never a gap beside it, at any isolation level (job control)."""
+    return _END_RUN, {"run_id": run_id}
+
+
+def end_runs_by_id(
+    runs: Iterable[tuple[uuid.UUID, uuid.UUID]], *, force_index: bool = False
+) -> Statement:
+    """Remove run records by id, given as (job id, run id) pairs (their live worker gave their
+    runs up), through the job-id index (named with ``force_index``)."""
+    return _delete_by(RUN, _BY_ID, "runs", force_index), {"runs": list(runs)}
 
 
 _LOSE_RUNS = (

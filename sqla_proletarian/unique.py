@@ -11,6 +11,11 @@ failure) where its insert meets a key committed after its snapshot: at those lev
 insert runs in a savepoint, so the failure undoes the insert only and means "the key is
 held". And a snapshot cannot see that holder (PostgreSQL's, and MySQL's default REPEATABLE
 READ): its id is then read as committed now, on a connection of its own.
+
+On MySQL and MariaDB an insert that meets the key share-locks the holder's row until the
+caller's transaction ends, and a worker cannot archive the holder meanwhile: the holder is
+read first, without a lock, and the insert runs only when none is in sight (a holder
+committed after the caller's snapshot, or racing it, still meets the insert).
 """
 
 from __future__ import annotations
@@ -50,6 +55,12 @@ def enqueue_unique(conn: Connection, values: dict[str, Any]) -> uuid.UUID:
     holding the key; the id of whichever job holds it now."""
     dialect = dialect_of(conn)
     queue, key = values["queue"], values["unique_key"]
+    if dialect.insert_or_nothing == "mysql_duplicate_key_error":
+        # A duplicate-key error share-locks the holder until the caller's transaction ends
+        # (InnoDB): a worker could not archive it. A holder in sight is read without a lock.
+        holder: uuid.UUID | None = conn.execute(*sql.key_holder(queue, key)).scalar()
+        if holder is not None:
+            return holder
     statement = sql.insert_job_or_nothing(values, dialect.insert_or_nothing)
     for _ in range(MAX_INSERT_ATTEMPTS):
         outcome, failure = _insert(conn, dialect, statement, UNIQUE_KEY_INDEX)

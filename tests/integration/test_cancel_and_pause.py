@@ -224,3 +224,42 @@ def test_pause_and_resume_join_the_callers_transaction_and_repeat_harmlessly(
         sp.pause_queue(engine, "q")  # type: ignore[arg-type]
     with pytest.raises(sp.NotATransactionError):
         sp.paused_queues("q")  # type: ignore[arg-type]
+
+
+#: Session settings that turn a wait for a row lock into an error within two seconds.
+LOCK_TIMEOUT = {
+    "postgresql": {"options": "-c lock_timeout=2000"},
+    "mariadb": {"init_command": "SET SESSION innodb_lock_wait_timeout = 2"},
+}
+
+
+def test_an_open_repeatable_read_transaction_that_cancelled_a_job_holds_up_no_claim(
+    database: Any,
+) -> None:
+    """The cancel (of a job with a dead worker's run record, and of one not queued) locks no
+    gap: on MariaDB a delete of the run records by job id locked the gaps of the small
+    run-record table, and every worker's run record waited for the caller's commit."""
+    if database.backend == "sqlite":
+        pytest.skip("SQLite: a transaction that cancelled a job holds the database's write lock")
+    engine = database.engine()
+    cancelled, other = enqueue_committed(engine, "cancelled"), enqueue_committed(engine, "other")
+    with engine.begin() as conn:
+        conn.execute(
+            sa.insert(sp.JobRun.__table__).values(
+                run_id=uuid.uuid4(), job_id=cancelled, worker_id="died", started_at=sp.utc_now()
+            )
+        )
+    worker_engine = database.engine(connect_args=LOCK_TIMEOUT[database.backend])
+    with engine.connect() as app:
+        app.execution_options(isolation_level="REPEATABLE READ")
+        assert sp.cancel_job(app, cancelled) is True
+        assert sp.cancel_job(app, uuid.uuid4()) is False
+        ran: list[str] = []
+        assert sp.process_next_job(worker_engine, lambda job_type, payload: ran.append(job_type))
+        assert ran == ["other"]
+        app.commit()
+    done = archived_job(engine, other)
+    assert done is not None and done.status == "success"
+    row = archived_job(engine, cancelled)
+    assert row is not None and row.status == "cancelled"
+    assert run_records(engine) == 0

@@ -4,7 +4,8 @@ seq), so no sort and no scan of the whole table, with realistic data and fresh s
 planner switches). Whether the queue is paused is one primary-key lookup, made once per
 poll. The run count read with the claim goes through ix_proletarian_job_run_job_id, and
 prune_archive's batches through ix_proletarian_archived_job_finished_at and the archive's
-primary key: their cost stays flat however many jobs are queued or archived."""
+primary key: their cost stays flat however many jobs are queued or archived. On MariaDB a
+finishing batch's multi-row statements read their tables' job-id indexes on small tables too."""
 
 from __future__ import annotations
 
@@ -305,3 +306,59 @@ def check_archive_delete_plan(engine: sa.Engine, backend: str, delete: Statement
             details
         )
         assert not any(detail.startswith("SCAN") for detail in details), details
+
+
+def test_a_claims_multi_row_statements_read_their_indexes_on_a_small_mariadb_table(
+    engine: sa.Engine, backend: str
+) -> None:
+    """The archive copy and the deletes of a finishing batch, and the delete of run records
+    given up, each read the job-id index of their table even on tables of a few dozen rows,
+    where MariaDB would scan (and, at READ COMMITTED, lock the rows other claims hold)."""
+    if backend != "mariadb":
+        pytest.skip("PostgreSQL archives a batch in one statement; SQLite has no row locks")
+    now = sp.utc_now()
+    with engine.begin() as conn:
+        job_ids = sp.enqueue_many(conn, [("work", n) for n in range(60)])
+        runs = [(job_id, uuid.uuid4()) for job_id in job_ids[:40]]
+        conn.execute(
+            sa.insert(statements.RUN),
+            [
+                {"run_id": run_id, "job_id": job_id, "worker_id": "w", "started_at": now}
+                for job_id, run_id in runs
+            ],
+        )
+    analyze(engine)
+    dialect = sp.dialects.dialect_of(engine)
+    sent = [
+        *statements.archive_succeeded(
+            job_ids[:20],
+            job_ids[:10],
+            dict(runs[10:20]),
+            now,
+            upsert=dialect.archive_upsert,
+            returning=False,
+            force_index=dialect.force_index,
+        ),
+        statements.end_runs_by_id(runs[20:30], force_index=dialect.force_index),
+    ]
+    keys = ["uq_proletarian_job_job_id"] * 2 + [RUN_INDEX] * 3
+    for statement, key in zip(sent, keys, strict=True):
+        (row,) = explain_as_sent(engine, statement)
+        assert (row["key"], row["type"]) == (key, "range"), row
+
+
+def explain_as_sent(engine: sa.Engine, statement: Statement) -> list[dict[str, Any]]:
+    """MariaDB's plan of a statement (DML included) as the driver sends it, its parameters
+    bound; the statement then runs in a transaction that is rolled back."""
+    plans: list[dict[str, Any]] = []
+
+    def explain_first(conn: Any, cursor: Any, text: str, parameters: Any, *args: Any) -> None:
+        cursor.execute("EXPLAIN " + text, parameters)
+        names = [column[0] for column in cursor.description]
+        plans.extend(dict(zip(names, row, strict=True)) for row in cursor.fetchall())
+
+    with engine.connect() as conn:
+        sa.event.listen(conn, "before_cursor_execute", explain_first)
+        conn.execute(*statement)
+        conn.rollback()
+    return plans

@@ -4,6 +4,7 @@ one transaction and across racing ones; once archived, or rolled back, the key i
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -12,7 +13,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from helpers import archived_job, count, enqueue_committed, jobs, running
+from helpers import archived_job, count, enqueue_committed, events, jobs, running
 from sqlalchemy.orm import Session
 
 import sqla_proletarian as sp
@@ -252,3 +253,34 @@ def test_a_bad_unique_key_is_refused_before_anything_is_written(engine: sa.Engin
             with pytest.raises(sp.InvalidJobError, match=r"jobs\[1\]: unique_key"):
                 sp.enqueue_many(conn, [("sync", 1, "fine"), ("sync", 2, bad)])
     assert jobs(engine) == []
+
+
+#: Session settings that turn a wait for a row lock into an error within two seconds.
+LOCK_TIMEOUT = {
+    "postgresql": {"options": "-c lock_timeout=2000"},
+    "mariadb": {"init_command": "SET SESSION innodb_lock_wait_timeout = 2"},
+}
+
+
+def test_an_open_transaction_that_met_a_held_key_does_not_keep_a_worker_from_archiving_it(
+    database: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Enqueue meets the key of a queued job in a transaction (Session and Connection, at the
+    server's default isolation) that stays open, while a worker runs and archives the holder:
+    on MariaDB the duplicate-key error of the insert share-locked the holder until the
+    caller's commit, and the archive waited for it (lock wait timeout, the job ran again)."""
+    if database.backend == "sqlite":
+        pytest.skip("SQLite: an open transaction that wrote holds the database's write lock")
+    caplog.set_level(logging.WARNING, logger="sqla_proletarian")
+    engine = database.engine()
+    holder = enqueue_committed(engine, "sync", unique_key="user-7")
+    worker_engine = database.engine(connect_args=LOCK_TIMEOUT[database.backend])
+    with Session(engine) as session, engine.connect() as conn:
+        assert sp.enqueue(session, "sync", unique_key="user-7") == holder
+        assert sp.enqueue(conn, "sync", unique_key="user-7") == holder
+        assert sp.process_next_job(worker_engine, noop)
+        session.commit()
+        conn.commit()
+    done = archived_job(engine, holder)
+    assert done is not None and done.status == "success"
+    assert events(caplog.records, "job-transaction-lost") == []
