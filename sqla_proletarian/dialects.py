@@ -37,6 +37,12 @@ InsertOrNothing = Literal[
     "postgresql_on_conflict", "sqlite_on_conflict", "mysql_duplicate_key_error", "savepoint"
 ]
 
+#: How the poll finds the priorities of a queue that have a due job without reading the jobs
+#: scheduled for later: a recursive CTE hopping from priority to priority through the poll
+#: index, or a GROUP BY that MySQL and MariaDB read as a loose index scan (their correlated
+#: subqueries cannot start an index range, so the CTE's hops would each read from the start).
+PriorityScan = Literal["recursive", "group_by"]
+
 
 @dataclass(frozen=True)
 class Dialect:
@@ -68,6 +74,7 @@ class Dialect:
     snapshot_conflict_fails: bool = False
     #: Whether a transaction can NOTIFY the workers' channel (sent at its commit).
     notifies: bool = False
+    priority_scan: PriorityScan = "recursive"
 
     @contextmanager
     def claim_connection(self, engine: Engine) -> Iterator[Connection]:
@@ -178,6 +185,7 @@ _MYSQL = {
     "owner_lock": "named",
     "archive_upsert": "mysql_on_duplicate_key",
     "insert_or_nothing": "mysql_duplicate_key_error",
+    "priority_scan": "group_by",
 }
 DIALECTS: dict[str, Dialect] = {
     "postgresql": Dialect(

@@ -113,6 +113,22 @@ class _Claim:
     claimed_at: datetime | None = None
 
 
+def poll_due_jobs(
+    conn: Connection, queue: str, now: datetime, limit: int, *, with_runs: bool
+) -> list[dict[str, Any]]:
+    """Lock up to ``limit`` due jobs of a queue in claim order: its priorities that have a
+    due job (a loose scan of the poll index, so jobs scheduled for later are never read),
+    then each in turn, highest first, until ``limit`` are locked."""
+    jobs: list[dict[str, Any]] = []
+    priorities = sql.due_run_orders(queue, now, dialect_of(conn).priority_scan)
+    for run_order in sorted(conn.execute(*priorities).scalars()):
+        poll = sql.poll(queue, now, limit - len(jobs), run_order=run_order, with_runs=with_runs)
+        jobs.extend(dict(row) for row in conn.execute(*poll).mappings())
+        if len(jobs) == limit:
+            break
+    return jobs
+
+
 def describe(exc: BaseException) -> str:
     """The archive's error text: the exception type, message and where it was raised."""
     text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
@@ -331,10 +347,10 @@ class JobRunner:
             queue=self.settings.queue,
         )
         now = self.now()
-        claim = sql.poll(self.settings.queue, now, self._batch_size, with_runs=self._tracked)
         claims = []
-        for row in conn.execute(*claim).mappings().all():
-            job = dict(row)
+        for job in poll_due_jobs(
+            conn, self.settings.queue, now, self._batch_size, with_runs=self._tracked
+        ):
             records = job.pop("runs", 0)
             past = ledger.past_runs(self.dialect, conn, job["job_id"], records)
             claims.append(_Claim(job, past, claimed_at=now))
