@@ -74,6 +74,7 @@ class Dialect:
     snapshot_conflict_fails: bool = False
     #: Whether a transaction can NOTIFY the workers' channel (sent at its commit).
     notifies: bool = False
+    #: How the poll finds the queue's priorities that have a due job (see ``PriorityScan``).
     priority_scan: PriorityScan = "recursive"
 
     @contextmanager
