@@ -14,6 +14,7 @@ from benchmarks.fill import fill, fresh_tables
 from benchmarks.library import THREADS, count_events, run_until, worker
 from benchmarks.procs import Crew, Crews
 from sqla_proletarian import statements as sql
+from sqla_proletarian.execution import poll_due_jobs
 
 
 def deep_queue(engine: sa.Engine, jobs: int) -> None:
@@ -29,12 +30,13 @@ def head_drain(engine: sa.Engine, head: int) -> float:
 
 
 def polls_per_second(engine: sa.Engine, seconds: float) -> float:
-    """The worker's poll (SELECT ... FOR UPDATE SKIP LOCKED of the due jobs, with the crash
-    ledger's count), each in its own transaction, in one thread, after 100 to warm up."""
+    """The worker's poll (the priorities with a due job, then SELECT ... FOR UPDATE SKIP
+    LOCKED of each one's due jobs, with the crash ledger's count), each in its own
+    transaction, in one thread, after 100 to warm up."""
 
     def poll() -> None:
         with conn.begin():
-            conn.execute(*sql.poll(sp.DEFAULT_QUEUE, sp.utc_now(), 1, with_runs=True)).all()
+            poll_due_jobs(conn, sp.DEFAULT_QUEUE, sp.utc_now(), 1, with_runs=True)
 
     with engine.connect() as conn:
         for _ in range(100):

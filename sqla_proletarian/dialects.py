@@ -37,6 +37,12 @@ InsertOrNothing = Literal[
     "postgresql_on_conflict", "sqlite_on_conflict", "mysql_duplicate_key_error", "savepoint"
 ]
 
+#: How the poll finds the priorities of a queue that have a due job without reading the jobs
+#: scheduled for later: a recursive CTE hopping from priority to priority through the poll
+#: index, or a GROUP BY that MySQL and MariaDB read as a loose index scan (their correlated
+#: subqueries cannot start an index range, so the CTE's hops would each read from the start).
+PriorityScan = Literal["recursive", "group_by"]
+
 
 @dataclass(frozen=True)
 class Dialect:
@@ -72,6 +78,8 @@ class Dialect:
     #: a small table MySQL and MariaDB would rather scan, and InnoDB locks every row that a
     #: locking statement reads, the rows of other claims included (deadlocks).
     force_index: bool = False
+    #: How the poll finds the queue's priorities that have a due job (see ``PriorityScan``).
+    priority_scan: PriorityScan = "recursive"
 
     @contextmanager
     def claim_connection(self, engine: Engine) -> Iterator[Connection]:
@@ -187,6 +195,7 @@ _MYSQL = {
     # between the records it reads, and other workers' record inserts wait for them.
     # SQLAlchemy puts the session's own level back when the connection returns to the pool.
     "ledger_setup": ("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED",),
+    "priority_scan": "group_by",
 }
 DIALECTS: dict[str, Dialect] = {
     "postgresql": Dialect(

@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 import traceback
+import uuid
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
@@ -118,6 +119,35 @@ class _Claim:
     started: float = field(default_factory=time.monotonic)
     #: The worker's clock when the job was claimed (for its queue lag).
     claimed_at: datetime | None = None
+
+
+def poll_due_jobs(
+    conn: Connection,
+    queue: str,
+    now: datetime,
+    limit: int,
+    *,
+    with_runs: bool,
+    excluding: list[uuid.UUID] | None = None,
+) -> list[dict[str, Any]]:
+    """Lock up to ``limit`` due jobs of a queue in claim order: its priorities that have a
+    due job (a loose scan of the poll index, so jobs scheduled for later are never read),
+    then each in turn, highest first, until ``limit`` are locked (``excluding`` some)."""
+    jobs: list[dict[str, Any]] = []
+    priorities = sql.due_run_orders(queue, now, dialect_of(conn).priority_scan)
+    for run_order in sorted(conn.execute(*priorities).scalars()):
+        poll = sql.poll(
+            queue,
+            now,
+            limit - len(jobs),
+            run_order=run_order,
+            with_runs=with_runs,
+            excluding=excluding,
+        )
+        jobs.extend(dict(row) for row in conn.execute(*poll).mappings())
+        if len(jobs) == limit:
+            break
+    return jobs
 
 
 def describe(exc: BaseException) -> str:
@@ -387,16 +417,15 @@ class JobRunner:
         claims: list[_Claim] = []
         # A job whose earlier run may still be going is left alone, and the poll looks past it.
         for _ in range(3):
-            poll = sql.poll(
+            found_held = []
+            for job in poll_due_jobs(
+                conn,
                 self.settings.queue,
                 now,
                 self._batch_size,
                 with_runs=self._tracked,
                 excluding=held,
-            )
-            found_held = []
-            for row in conn.execute(*poll).mappings().all():
-                job = dict(row)
+            ):
                 records = job.pop("runs", 0)
                 past = ledger.past_runs(
                     self.dialect, conn, job["job_id"], records, self.settings.reconnect_grace

@@ -43,7 +43,7 @@ from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.elements import BindParameter
 from sqlalchemy.sql.selectable import Alias
 
-from sqla_proletarian.dialects import ArchiveUpsert, InsertOrNothing, OwnerLock
+from sqla_proletarian.dialects import ArchiveUpsert, InsertOrNothing, OwnerLock, PriorityScan
 from sqla_proletarian.models import ArchivedJob, Job, JobRun, PausedQueue, PeriodicSchedule
 from sqla_proletarian.wakeups import CHANNEL
 
@@ -90,7 +90,12 @@ def _poll(limit: int, with_runs: bool, excluding: bool = False) -> Select[Any]:
     columns = (*JOB_COLUMNS, _RUNS) if with_runs else JOB_COLUMNS
     statement = (
         select(*columns)
-        .where(JOB.c.queue == bindparam("queue"), JOB.c.process_at <= bindparam("now"), ~_PAUSED)
+        .where(
+            JOB.c.queue == bindparam("queue"),
+            JOB.c.run_order == bindparam("run_order"),
+            JOB.c.process_at <= bindparam("now"),
+            ~_PAUSED,
+        )
         .order_by(JOB.c.run_order, JOB.c.process_at, JOB.c.seq)
         .limit(limit)
         .with_for_update(skip_locked=True)
@@ -105,19 +110,66 @@ def poll(
     now: datetime,
     limit: int = 1,
     *,
+    run_order: int,
     with_runs: bool = False,
     excluding: list[uuid.UUID] | None = None,
 ) -> Statement:
-    """Claim up to ``limit`` due jobs of a queue unless it is paused, highest priority first,
-    then oldest first, skipping locked ones.
+    """Claim up to ``limit`` due jobs of one priority (``run_order``) of a queue unless it
+    is paused, oldest first, skipping locked ones: one range of the poll index, due jobs only.
 
     ``with_runs`` adds ``runs``: the job's run records, for counting unclean ends.
     ``excluding`` leaves out jobs whose earlier run may still be going (``ledger``).
     """
-    params: dict[str, Any] = {"queue": queue, "now": now}
+    params: dict[str, Any] = {"queue": queue, "now": now, "run_order": run_order}
     if excluding:
         params["held"] = excluding
     return _poll(limit, with_runs, bool(excluding)), params
+
+
+def _first_run_order(after: Any = None) -> Any:
+    """The queue's smallest ``run_order`` (above ``after``): the first entry of a range of
+    the poll index."""
+    conditions = [JOB.c.queue == bindparam("queue")]
+    if after is not None:
+        conditions.append(JOB.c.run_order > after)
+    first = select(JOB.c.run_order).where(*conditions).order_by(JOB.c.run_order).limit(1)
+    return first.scalar_subquery()
+
+
+#: The queue's priorities, one index probe each (a loose index scan), none when it is paused.
+_RUN_ORDERS = (
+    select(_first_run_order().label("run_order")).where(~_PAUSED).cte("run_orders", recursive=True)
+)
+_PREVIOUS = _RUN_ORDERS.alias("previous")
+_RUN_ORDERS = _RUN_ORDERS.union_all(
+    select(_first_run_order(_PREVIOUS.c.run_order)).where(_PREVIOUS.c.run_order.is_not(None))
+)
+#: A priority's earliest ``process_at``: the first index entry of its range.
+_EARLIEST = (
+    select(JOB.c.process_at)
+    .where(JOB.c.queue == bindparam("queue"), JOB.c.run_order == _RUN_ORDERS.c.run_order)
+    .order_by(JOB.c.process_at)
+    .limit(1)
+    .scalar_subquery()
+)
+_DUE_AT = bindparam("now", type_=JOB.c.process_at.type)
+_DUE_RUN_ORDERS = {
+    "recursive": select(_RUN_ORDERS.c.run_order).where(
+        _RUN_ORDERS.c.run_order.is_not(None), _EARLIEST <= _DUE_AT
+    ),
+    # A loose index scan: per priority, one probe for its first due entry (MIN of the next
+    # index column, bounded by the range); grouped by the queue too, as the index starts.
+    "group_by": select(JOB.c.run_order, func.min(JOB.c.process_at))
+    .where(JOB.c.queue == bindparam("queue"), JOB.c.process_at <= _DUE_AT, ~_PAUSED)
+    .group_by(JOB.c.queue, JOB.c.run_order),
+}
+
+
+def due_run_orders(queue: str, now: datetime, scan: PriorityScan) -> Statement:
+    """The priorities (as ``run_order``, the first column) of a queue that have a job due at
+    ``now``, running or not, unless the queue is paused: a probe or two of the poll index per
+    priority, however many jobs are scheduled for later; a plain read, locking nothing."""
+    return _DUE_RUN_ORDERS[scan], {"queue": queue, "now": now}
 
 
 #: Inline: ``seq`` comes from the server's default, with no ``nextval()`` round trip first
@@ -961,13 +1013,13 @@ def delete_failure(job_id: uuid.UUID) -> Statement:
     return _DELETE_FAILED_ONE, {"job_id": job_id}
 
 
-_DUE_JOB = select(JOB.c.seq).where(JOB.c.queue == bindparam("queue"), _DUE, ~_PAUSED).limit(1)
+_DUE_JOB = {scan: statement.limit(1) for scan, statement in _DUE_RUN_ORDERS.items()}
 
 
-def due_job(queue: str, now: datetime) -> Statement:
-    """Any job of the queue due at ``now``, running or not, unless the queue is paused (a
-    probe of the poll index)."""
-    return _DUE_JOB, {"queue": queue, "now": now}
+def due_job(queue: str, now: datetime, scan: PriorityScan) -> Statement:
+    """A row when a job of the queue is due at ``now``, running or not, unless the queue is
+    paused (probes of the poll index, as ``due_run_orders``)."""
+    return _DUE_JOB[scan], {"queue": queue, "now": now}
 
 
 def probe_tables() -> list[Statement]:

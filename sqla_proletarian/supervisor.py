@@ -38,6 +38,7 @@ from typing import Any
 from sqlalchemy import Engine
 
 from sqla_proletarian import statements as sql
+from sqla_proletarian.dialects import dialect_of
 from sqla_proletarian.errors import is_transient
 from sqla_proletarian.logs import log_event
 from sqla_proletarian.worker import QueueWorker, create_queue_worker
@@ -122,7 +123,10 @@ def _run_until_drained(engine: Engine, worker: QueueWorker) -> None:
     while worker.running:
         try:
             with engine.connect() as conn:
-                row = conn.execute(*sql.due_job(options.queue, options.clock())).first()
+                due_job = sql.due_job(
+                    options.queue, options.clock(), dialect_of(conn).priority_scan
+                )
+                row = conn.execute(*due_job).first()
             due = row is not None
         except Exception as exc:
             if not is_transient(exc):

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 
 import sqla_proletarian as sp
 from sqla_proletarian import statements
+from sqla_proletarian.execution import poll_due_jobs
 
 SEEN_METADATA = sa.MetaData()
 SEEN = sa.Table(
@@ -170,8 +171,8 @@ def test_open_claims_on_separate_connections_skip_each_others_locked_jobs(
             conn.execution_options(isolation_level="READ COMMITTED")
             conn.begin()
             conn.exec_driver_sql(LOCK_TIMEOUT[backend])
-            row = conn.execute(*statements.poll(sp.DEFAULT_QUEUE, sp.utc_now())).first()
-            claimed.append(row.job_id if row is not None else None)
+            rows = poll_due_jobs(conn, sp.DEFAULT_QUEUE, sp.utc_now(), 1, with_runs=False)
+            claimed.append(rows[0]["job_id"] if rows else None)
     finally:
         for conn in connections:
             conn.rollback()

@@ -111,6 +111,34 @@ def test_a_worker_never_runs_a_lower_priority_job_while_a_higher_one_is_due(
     assert ran == sorted(priorities, reverse=True)
 
 
+def test_a_running_job_of_a_higher_priority_does_not_hold_up_a_due_one_of_a_lower_priority(
+    engine: sa.Engine, backend: str
+) -> None:
+    """The poll tries the next priority when every due job of a higher one is locked by a
+    running claim (SQLite runs one claim at a time: a running job holds the database)."""
+    if backend == "sqlite":
+        pytest.skip("SQLite runs one claim at a time per database file")
+    enqueue_committed(engine, "high", priority=5)
+    enqueue_committed(engine, "low", priority=-5)
+    started, release = threading.Event(), threading.Event()
+
+    def hold(job_type: str, payload: Any) -> None:
+        started.set()
+        assert release.wait(10)
+
+    holder = threading.Thread(target=sp.process_next_job, args=(engine, hold))
+    holder.start()
+    try:
+        assert started.wait(10)
+        ran: list[str] = []
+        assert sp.process_next_job(engine, lambda job_type, payload: ran.append(job_type))
+        assert ran == ["low"]
+    finally:
+        release.set()
+        holder.join(10)
+    assert jobs(engine) == []  # the held job finished once released
+
+
 BAD_PRIORITIES = [sp.MAX_PRIORITY + 1, sp.MIN_PRIORITY - 1, True, 1.0, "1", None]
 
 
