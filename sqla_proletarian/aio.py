@@ -164,6 +164,11 @@ class _TaskLock:
         self._lock.release()
 
 
+def _task_sleep(seconds: float) -> None:
+    """The runner's pause where its callers are tasks: the event loop runs meanwhile."""
+    await_only(asyncio.sleep(seconds))
+
+
 def _task_name() -> str:
     """The task running a claim, for logs and run records."""
     task = asyncio.current_task()
@@ -234,6 +239,7 @@ class AsyncQueueWorker:
             stopping=self._stopping.is_set,
             new_lock=_TaskLock,
             unit_name=_task_name,
+            rest=_task_sleep,
         )
         _check_pool(sync_engine, self._runner.connections_per_thread, concurrency)
         self._scheduler = scheduler_for(self._runner.dialect, options)

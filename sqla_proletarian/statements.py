@@ -33,6 +33,7 @@ from sqlalchemy import (
     null,
     select,
     table,
+    text,
     true,
     update,
 )
@@ -174,9 +175,20 @@ _RELOCK = (
 
 
 def relock(job_id: uuid.UUID) -> Statement:
-    """Claim one known job again by id, skipping it if another worker holds it (SQLite after
-    the run was recorded; any server after an outcome could not be written)."""
+    """Claim one known job again by id, skipping it if another worker holds it (any server
+    after an outcome could not be written)."""
     return _RELOCK, {"job_id": job_id}
+
+
+_RECLAIM = _RELOCK.where(
+    JOB.c.queue == bindparam("queue"), JOB.c.process_at <= bindparam("now"), ~_PAUSED
+)
+
+
+def reclaim(job_id: uuid.UUID, queue: str, now: datetime) -> Statement:
+    """Claim one known job again by id on the poll's terms: due at ``now``, its queue not
+    paused, not held by another worker (SQLite, after the run was recorded)."""
+    return _RECLAIM, {"job_id": job_id, "queue": queue, "now": now}
 
 
 def lock_queued_job(job_id: uuid.UUID) -> Statement:
@@ -849,6 +861,14 @@ def due_job(queue: str, now: datetime) -> Statement:
     """Any job of the queue due at ``now``, running or not, unless the queue is paused (a
     probe of the poll index)."""
     return _DUE_JOB, {"queue": queue, "now": now}
+
+
+_DATA_VERSION = text("PRAGMA data_version")
+
+
+def data_version() -> Statement:
+    """SQLite's counter of the commits other connections made to the database file."""
+    return _DATA_VERSION, {}
 
 
 def probe_tables() -> list[Statement]:
