@@ -79,6 +79,9 @@ class WorkerConnections:
     _stack: ExitStack
     #: The server's idle-transaction limit where its errors do not name it (for log hints).
     idle_timeout: float | None = None
+    #: Whether the thread's last claim took a job (SQLite: the next one then needs no read
+    #: first to see whether one is due).
+    claimed_last: bool = False
 
     @property
     def records_on(self) -> Connection:
@@ -205,13 +208,16 @@ class JobRunner:
         if not self.dialect.claim_takes_write_lock:
             return self._process(connections)
         # SQLite: the write lock keeps every other writer waiting, so it is taken only for a
-        # due job. One job runs at a time per file anyway; taking turns inside the process
+        # due job (a read looks first, unless the thread's last claim took one). One job
+        # runs at a time per file anyway; taking turns inside the process
         # also keeps a thread from claiming a job between another's run record and its
         # re-claim, and lets the turns pause for the application's writers.
-        if not self._any_due(connections.conn):
+        if not connections.claimed_last and not self._any_due(connections.conn):
             return False
+        connections.claimed_last = False
         with self._claim_turn.taken(lambda: self._commits(connections.conn), self._rest):
-            return self._process(connections)
+            connections.claimed_last = self._process(connections)
+        return connections.claimed_last
 
     def _any_due(self, conn: Connection) -> bool:
         """Whether a job of the queue is due, read without taking the write lock."""

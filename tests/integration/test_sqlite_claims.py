@@ -74,14 +74,15 @@ def test_a_job_taken_meanwhile_is_claimed_again_after_its_run_record_only_on_pol
     claimed = sp.process_next_job(first, handler, retry_strategy=_in_an_hour)
 
     assert took_turn == [True]
-    row = job_row(first, job_id)
-    assert row is not None
     if meanwhile == "queue paused":
         assert runs == [], "the job of the paused queue ran"
-        assert row.attempts == 0
     else:
         assert runs == ["flaky"], "the retry scheduled an hour later ran at once"
-        assert row.attempts == 1 and row.process_at > sp.utc_now() + HOUR / 2
+    row = job_row(first, job_id)
+    assert row is not None
+    assert row.attempts == len(runs)
+    if runs:
+        assert row.process_at > sp.utc_now() + HOUR / 2
     assert claimed is False
     assert run_records(first) == 0
 
