@@ -5,9 +5,9 @@ SQLite has one writer at a time and no queue for its lock: a writer that finds i
 sleeps in its busy handler (at most 100 ms between tries) until its busy timeout, 5 s by
 default. Claims that follow each other at once would keep it taken, so after a stretch of
 ``STRETCH`` seconds of claims the next one rests: it leaves the lock free for ``REST``
-seconds, longer than the handler's longest sleep, so a writer waiting by then gets it, and
-for as long as other connections go on committing, up to as long as the stretch (an even
-share). While nobody else writes during the rests, the stretches grow, up to ``MAX_STRETCH``.
+seconds, longer than the handler's longest sleep, so a writer waiting by then gets it (a
+rest in which others committed ends once they have not for ``QUIET`` seconds). While nobody
+else writes during the rests, the stretches grow, up to ``MAX_STRETCH``.
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ from typing import Any
 
 from sqlalchemy import URL
 
-#: Seconds of back-to-back claims after which a process's claims on a file pause, while
-#: other connections write in the pauses; each pause in which none did doubles it, up to
+#: Seconds of back-to-back claims after which a process's claims on a file rest, while other
+#: connections write in the rests; each rest in which none did doubles it, up to
 #: ``MAX_STRETCH``.
 STRETCH = 0.25
 MAX_STRETCH = 0.5
 #: Seconds the write lock is then left free: more than SQLite's busy handler ever sleeps.
 REST = 0.12
-#: Seconds without another connection's commit that end a rest once one was seen, and how
-#: often a resting claim looks.
+#: Seconds without another connection's commit that end a rest early once one was seen, and
+#: how often a resting claim looks.
 QUIET = 0.03
 LOOK = 0.01
 
@@ -74,18 +74,13 @@ class Turn:
         """Leave the write lock free (see the module's docstring), then size the next stretch."""
         seen = commits()
         last_other: float | None = None
-        while True:
-            now = time.monotonic()
-            if last_other is None and now - self._free_since >= REST:
-                break
-            if last_other is not None and (
-                now - last_other >= QUIET or now - self._free_since >= self._stretch
-            ):
-                break
+        while time.monotonic() - self._free_since < REST:
             sleep(LOOK)
             count = commits()
             if count != seen:
                 seen, last_other = count, time.monotonic()
+            elif last_other is not None and time.monotonic() - last_other >= QUIET:
+                break
         alone = last_other is None
         self._stretch = min(2 * self._stretch, MAX_STRETCH) if alone else STRETCH
 
