@@ -164,8 +164,8 @@ class _TaskLock:
         self._lock.release()
 
 
-def _sleep_in_greenlet(seconds: float) -> None:
-    """The runner's pause, in a task's greenlet: the event loop runs meanwhile."""
+def _task_sleep(seconds: float) -> None:
+    """The runner's pause where its callers are tasks: the event loop runs meanwhile."""
     await_only(asyncio.sleep(seconds))
 
 
@@ -239,7 +239,7 @@ class AsyncQueueWorker:
             stopping=self._stopping.is_set,
             new_lock=_TaskLock,
             unit_name=_task_name,
-            sleep=_sleep_in_greenlet,
+            sleep=_task_sleep,
         )
         _check_pool(
             sync_engine,

@@ -20,7 +20,7 @@ from typing import Any, Literal
 from sqlalchemy import Connection, Engine
 from sqlalchemy import exc as sa_exc
 
-from sqla_proletarian import ledger, telemetry
+from sqla_proletarian import ledger, telemetry, turns
 from sqla_proletarian import statements as sql
 from sqla_proletarian.dialects import dialect_of
 from sqla_proletarian.errors import (
@@ -87,6 +87,9 @@ class WorkerConnections:
     idle_timeout: float | None = None
     #: The owner keeper's epoch when the claim's records were written.
     owner_epoch: int = 0
+    #: Whether the thread's last claim took a job (SQLite: the next one then needs no read
+    #: first to see whether one is due).
+    claimed_last: bool = False
 
     @property
     def records_on(self) -> Connection:
@@ -178,7 +181,7 @@ class JobRunner:
         *,
         new_lock: Callable[[], AbstractContextManager[Any]] = threading.Lock,
         unit_name: Callable[[], str] = lambda: threading.current_thread().name,
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Callable[[float], object] = time.sleep,
     ) -> None:
         self.engine = engine
         self.settings = settings
@@ -188,7 +191,8 @@ class JobRunner:
         self._unit_name = unit_name
         self._sleep = sleep
         self._connect_lock = new_lock()
-        self._claim_lock = new_lock()
+        #: SQLite: the claims of every runner of the process on the database file take turns.
+        self._claim_turn = turns.turn_for(engine.url, new_lock)
         self._host = f"{socket.gethostname()}:{os.getpid()}"
         #: Whether runs are recorded (the crash ledger), and on a connection of their own.
         self._tracked = settings.max_unclean_ends is not None
@@ -274,11 +278,28 @@ class JobRunner:
         self._clear_orphans(connections)
         if not self.dialect.claim_takes_write_lock:
             return self._process(connections)
-        # SQLite runs one job at a time per file anyway; taking turns inside the process
+        # SQLite: the write lock keeps every other writer waiting, so it is taken only for a
+        # due job (a read looks first, unless the thread's last claim took one). One job
+        # runs at a time per file anyway; taking turns inside the process
         # also keeps a thread from claiming a job between another's run record and its
-        # re-claim.
-        with self._claim_lock:
-            return self._process(connections)
+        # re-claim, and lets the turns pause for the application's writers.
+        if not connections.claimed_last and not self._any_due(connections.conn):
+            return False
+        connections.claimed_last = False
+        with self._claim_turn.taken(lambda: self._commits(connections.conn), self._sleep):
+            connections.claimed_last = self._process(connections)
+        return connections.claimed_last
+
+    def _any_due(self, conn: Connection) -> bool:
+        """Whether a job of the queue is due, read without taking the write lock."""
+        due = sql.due_job(self.settings.queue, self.now(), self.dialect.priority_scan)
+        return _read_alone(conn, due) is not None
+
+    def _commits(self, conn: Connection) -> int:
+        """SQLite's count of other connections' commits to the file, as seen from ``conn``."""
+        row = _read_alone(conn, sql.data_version())
+        assert row is not None
+        return int(row[0])
 
     def abandon_in_flight(self) -> None:
         """Remove the run records of handlers still running when the worker gives up on them
@@ -465,12 +486,14 @@ class JobRunner:
                 connections.owner_epoch = self._keeper.epoch
             record.begin(connections.ledger, job_ids)
             return claims
-        # One connection (SQLite, one job per claim): commit the record, then relock the job.
+        # One connection (SQLite, one job per claim): commit the record, then claim the job
+        # again as the poll would, since another process may have run it in between.
         conn = connections.conn
         record.begin(conn, job_ids)
         conn.commit()
         self.dialect.begin_claim(conn)
-        again = conn.execute(*sql.relock(job_ids[0])).mappings().first()
+        reclaim = sql.reclaim(job_ids[0], self.settings.queue, self.now())
+        again = conn.execute(*reclaim).mappings().first()
         if again is None:
             return []
         claims[0].job.update(again)
@@ -845,6 +868,17 @@ def _expect_one(result: Any, what: str) -> None:
         raise JobTransactionLostError(
             f"the job's {what} touched no row: its row lock was lost and another worker ran it"
         )
+
+
+def _read_alone(conn: Connection, statement: sql.Statement) -> Any:
+    """The first row of one read on the claim's connection, in a transaction of its own."""
+    try:
+        row = conn.execute(*statement).first()
+        conn.rollback()
+    except BaseException:
+        _rollback_quietly(conn)
+        raise
+    return row
 
 
 def _rollback_quietly(conn: Connection) -> None:

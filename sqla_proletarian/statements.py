@@ -34,6 +34,7 @@ from sqlalchemy import (
     null,
     select,
     table,
+    text,
     true,
     tuple_,
     update,
@@ -244,9 +245,20 @@ _RELOCK = (
 
 
 def relock(job_id: uuid.UUID) -> Statement:
-    """Claim one known job again by id, skipping it if another worker holds it (SQLite after
-    the run was recorded; any server after an outcome could not be written)."""
+    """Claim one known job again by id, skipping it if another worker holds it (any server
+    after an outcome could not be written)."""
     return _RELOCK, {"job_id": job_id}
+
+
+_RECLAIM = _RELOCK.where(
+    JOB.c.queue == bindparam("queue"), JOB.c.process_at <= bindparam("now"), ~_PAUSED
+)
+
+
+def reclaim(job_id: uuid.UUID, queue: str, now: datetime) -> Statement:
+    """Claim one known job again by id on the poll's terms: due at ``now``, its queue not
+    paused, not held by another worker (SQLite, after the run was recorded)."""
+    return _RECLAIM, {"job_id": job_id, "queue": queue, "now": now}
 
 
 def lock_queued_job(job_id: uuid.UUID) -> Statement:
@@ -1020,6 +1032,14 @@ def due_job(queue: str, now: datetime, scan: PriorityScan) -> Statement:
     """A row when a job of the queue is due at ``now``, running or not, unless the queue is
     paused (probes of the poll index, as ``due_run_orders``)."""
     return _DUE_JOB[scan], {"queue": queue, "now": now}
+
+
+_DATA_VERSION = text("PRAGMA data_version")
+
+
+def data_version() -> Statement:
+    """SQLite's counter of the commits other connections made to the database file."""
+    return _DATA_VERSION, {}
 
 
 def probe_tables() -> list[Statement]:
