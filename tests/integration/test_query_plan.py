@@ -2,7 +2,9 @@
 priorities that have a due job, two index probes per priority (a loose index scan), then per
 priority one range of due jobs that gives both the WHERE (queue, run_order, due time) and the
 ORDER BY (process_at, seq), so no sort, no scan of the whole table and no job scheduled for
-later is read, with realistic data and fresh statistics (no planner switches). Whether the
+later is read, with realistic data and fresh statistics (no planner switches). On PostgreSQL
+and SQLite the claim's first poll finds the first due priority itself, with the same probes
+evaluated once, and reads its range with the priority as a key. Whether the
 queue is paused is one primary-key lookup, made once per statement. The run count read with
 the claim goes through ix_proletarian_job_run_job_id, and prune_archive's batches through
 ix_proletarian_archived_job_finished_at and the archive's primary key: their cost stays flat
