@@ -80,6 +80,12 @@ class Dialect:
     force_index: bool = False
     #: How the poll finds the queue's priorities that have a due job (see ``PriorityScan``).
     priority_scan: PriorityScan = "recursive"
+    #: Whether a claim's first poll finds the queue's first priority with a due job inside
+    #: the statement (evaluated once, then a key of the index range), so a busy claim is one
+    #: round trip. Not on MySQL and MariaDB: a priority read by a subquery is no constant to
+    #: their range optimizer, so the locking read would scan (and lock) the priority's
+    #: scheduled jobs; their claims read the priorities first.
+    poll_finds_priority: bool = True
 
     @contextmanager
     def claim_connection(self, engine: Engine) -> Iterator[Connection]:
@@ -196,6 +202,7 @@ _MYSQL = {
     # SQLAlchemy puts the session's own level back when the connection returns to the pool.
     "ledger_setup": ("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED",),
     "priority_scan": "group_by",
+    "poll_finds_priority": False,
 }
 DIALECTS: dict[str, Dialect] = {
     "postgresql": Dialect(

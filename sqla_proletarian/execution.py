@@ -135,10 +135,26 @@ def poll_due_jobs(
 ) -> list[dict[str, Any]]:
     """Lock up to ``limit`` due jobs of a queue in claim order: its priorities that have a
     due job (a loose scan of the poll index, so jobs scheduled for later are never read),
-    then each in turn, highest first, until ``limit`` are locked (``excluding`` some)."""
+    then each in turn, highest first, until ``limit`` are locked (``excluding`` some).
+
+    Where the server allows, the first poll finds the first due priority itself; the
+    priorities are read only when it locks fewer than ``limit``: then the polls go on past
+    the priority it claimed from (all of them when it found none, or found it all locked).
+    """
     jobs: list[dict[str, Any]] = []
-    priorities = sql.due_run_orders(queue, now, dialect_of(conn).priority_scan)
+    dialect = dialect_of(conn)
+    after = None
+    if dialect.poll_finds_priority:
+        first = sql.poll_first(queue, now, limit, with_runs=with_runs, excluding=excluding)
+        jobs.extend(dict(row) for row in conn.execute(*first).mappings())
+        if len(jobs) == limit:
+            return jobs
+        if jobs:
+            after = jobs[0]["run_order"]
+    priorities = sql.due_run_orders(queue, now, dialect.priority_scan)
     for run_order in sorted(conn.execute(*priorities).scalars()):
+        if after is not None and run_order <= after:
+            continue
         poll = sql.poll(
             queue,
             now,

@@ -87,13 +87,13 @@ _PAUSED = select(PAUSED.c.queue).where(PAUSED.c.queue == bindparam("queue")).exi
 
 
 @cache
-def _poll(limit: int, with_runs: bool, excluding: bool = False) -> Select[Any]:
+def _poll(limit: int, with_runs: bool, excluding: bool = False, first: bool = False) -> Select[Any]:
     columns = (*JOB_COLUMNS, _RUNS) if with_runs else JOB_COLUMNS
     statement = (
         select(*columns)
         .where(
             JOB.c.queue == bindparam("queue"),
-            JOB.c.run_order == bindparam("run_order"),
+            JOB.c.run_order == (_FIRST_DUE_RUN_ORDER if first else bindparam("run_order")),
             JOB.c.process_at <= bindparam("now"),
             ~_PAUSED,
         )
@@ -127,6 +127,22 @@ def poll(
     return _poll(limit, with_runs, bool(excluding)), params
 
 
+def poll_first(
+    queue: str,
+    now: datetime,
+    limit: int = 1,
+    *,
+    with_runs: bool = False,
+    excluding: list[uuid.UUID] | None = None,
+) -> Statement:
+    """As ``poll``, of the queue's highest priority that has a due job, found inside the
+    statement (probes of the poll index, evaluated once): a busy claim in one round trip."""
+    params: dict[str, Any] = {"queue": queue, "now": now}
+    if excluding:
+        params["held"] = excluding
+    return _poll(limit, with_runs, bool(excluding), first=True), params
+
+
 def _first_run_order(after: Any = None) -> Any:
     """The queue's smallest ``run_order`` (above ``after``): the first entry of a range of
     the poll index."""
@@ -145,15 +161,34 @@ _PREVIOUS = _RUN_ORDERS.alias("previous")
 _RUN_ORDERS = _RUN_ORDERS.union_all(
     select(_first_run_order(_PREVIOUS.c.run_order)).where(_PREVIOUS.c.run_order.is_not(None))
 )
-#: A priority's earliest ``process_at``: the first index entry of its range.
-_EARLIEST = (
-    select(JOB.c.process_at)
-    .where(JOB.c.queue == bindparam("queue"), JOB.c.run_order == _RUN_ORDERS.c.run_order)
-    .order_by(JOB.c.process_at)
-    .limit(1)
+
+
+def _earliest(run_order: Any) -> Any:
+    """A priority's earliest ``process_at``: the first index entry of its range."""
+    earliest = select(JOB.c.process_at).where(
+        JOB.c.queue == bindparam("queue"), JOB.c.run_order == run_order
+    )
+    return earliest.order_by(JOB.c.process_at).limit(1).scalar_subquery()
+
+
+_EARLIEST = _earliest(_RUN_ORDERS.c.run_order)
+_DUE_AT = bindparam("now", type_=JOB.c.process_at.type)
+
+#: The queue's priorities from the first up to the first that has a due job, and no further:
+#: one hop through the poll index each (as ``_RUN_ORDERS``).
+_UNTIL_DUE = select(_first_run_order().label("run_order")).cte("until_due", recursive=True)
+_BEFORE = _UNTIL_DUE.alias("before")
+_UNTIL_DUE = _UNTIL_DUE.union_all(
+    select(_first_run_order(_BEFORE.c.run_order)).where(
+        _BEFORE.c.run_order.is_not(None), _earliest(_BEFORE.c.run_order) > _DUE_AT
+    )
+)
+#: The queue's highest priority that has a due job (NULL if none): the last hop, if due.
+_FIRST_DUE_RUN_ORDER = (
+    select(_UNTIL_DUE.c.run_order)
+    .where(_UNTIL_DUE.c.run_order.is_not(None), _earliest(_UNTIL_DUE.c.run_order) <= _DUE_AT)
     .scalar_subquery()
 )
-_DUE_AT = bindparam("now", type_=JOB.c.process_at.type)
 _DUE_RUN_ORDERS = {
     "recursive": select(_RUN_ORDERS.c.run_order).where(
         _RUN_ORDERS.c.run_order.is_not(None), _EARLIEST <= _DUE_AT

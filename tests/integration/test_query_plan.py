@@ -2,7 +2,9 @@
 priorities that have a due job, two index probes per priority (a loose index scan), then per
 priority one range of due jobs that gives both the WHERE (queue, run_order, due time) and the
 ORDER BY (process_at, seq), so no sort, no scan of the whole table and no job scheduled for
-later is read, with realistic data and fresh statistics (no planner switches). Whether the
+later is read, with realistic data and fresh statistics (no planner switches). On PostgreSQL
+and SQLite the claim's first poll finds the first due priority itself, with the same probes
+evaluated once, and reads its range with the priority as a key. Whether the
 queue is paused is one primary-key lookup, made once per statement. The run count read with
 the claim goes through ix_proletarian_job_run_job_id, and prune_archive's batches through
 ix_proletarian_archived_job_finished_at and the archive's primary key: their cost stays flat
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import uuid
 from datetime import timedelta
 from typing import Any
@@ -264,12 +267,48 @@ def check_priority_scan_plan(engine: sa.Engine, backend: str, queue: str) -> Non
         assert any(f"INDEX {INDEX}" in detail for detail in details), details
 
 
+def check_first_poll_plan(engine: sa.Engine, backend: str, queue: str, *, with_runs: bool) -> None:
+    """The claim's first poll, which finds the first due priority itself, hops through the poll
+    index to it once (an InitPlan on PostgreSQL, a scalar subquery on SQLite), then reads that
+    priority's range of due jobs with the priority as a key: no sort, no scan of a table.
+    MySQL and MariaDB do not send it (``Dialect.poll_finds_priority``)."""
+    if not dialect_of(engine).poll_finds_priority:
+        assert backend == "mariadb"
+        return
+    statement = statements.poll_first(queue, sp.utc_now(), with_runs=with_runs)
+    if backend == "postgresql":
+        nodes = postgresql_plan(engine, statement)
+        kinds = [node["Node Type"] for node in nodes]
+        expected = {("proletarian_job", INDEX), PAUSED}
+        if with_runs:
+            expected.add(("proletarian_job_run", RUN_INDEX))
+        assert set(scans(nodes)) == expected, kinds
+        for node in nodes:
+            if "Relation Name" in node:
+                assert node["Node Type"] in ("Index Scan", "Index Only Scan"), kinds
+        (claimed,) = [n for n in nodes if "process_at <=" in n.get("Index Cond", "")]
+        assert re.search(r"run_order = (\$\d+|\(InitPlan)", claimed["Index Cond"]), claimed
+        (first,) = [n for n in nodes if n.get("Subplan Name", "").startswith("CTE")]
+        assert first["Parent Relationship"] == "InitPlan", kinds  # once per poll
+        assert_no_sort(kinds)
+        assert "LockRows" in kinds, kinds
+    else:
+        details = [row.detail for row in explain(engine, "EXPLAIN QUERY PLAN ", statement)]
+        claim = (
+            f"SEARCH proletarian_job USING INDEX {INDEX} (queue=? AND run_order=? AND process_at<?)"
+        )
+        assert claim in details, details
+        assert not any(f"SCAN {statements.JOB.name}" in detail for detail in details), details
+        assert not any("TEMP B-TREE" in detail for detail in details), details
+
+
 def test_the_poll_of_a_busy_and_of_a_small_queue_reads_the_index_in_order_without_sorting(
     busy_engine: sa.Engine, backend: str
 ) -> None:
     for queue in (sp.DEFAULT_QUEUE, "small-1"):
         check_plan(busy_engine, backend, queue, with_runs=False)
         check_priority_scan_plan(busy_engine, backend, queue)
+        check_first_poll_plan(busy_engine, backend, queue, with_runs=False)
 
 
 def test_the_poll_with_its_run_count_stays_on_its_indexes_with_50000_queued_and_archived(
@@ -280,6 +319,7 @@ def test_the_poll_with_its_run_count_stays_on_its_indexes_with_50000_queued_and_
     for queue in (sp.DEFAULT_QUEUE, "small-2"):
         check_plan(crowded_engine, backend, queue, with_runs=True)
         check_priority_scan_plan(crowded_engine, backend, queue)
+        check_first_poll_plan(crowded_engine, backend, queue, with_runs=True)
 
 
 def test_prune_batches_read_the_finished_at_index_and_delete_by_primary_key(
@@ -520,3 +560,11 @@ def test_an_idle_poll_and_one_finding_due_jobs_of_low_priority_read_no_scheduled
             work = measure(conn, poll)
             conn.rollback()
             assert 0 < work <= bound, (when, work)
+        if dialect_of(conn).poll_finds_priority:
+            # The first poll alone, hopping past the three scheduled priorities to the due one.
+            def first(c: sa.Connection) -> None:
+                c.execute(*statements.poll_first(sp.DEFAULT_QUEUE, now, 10, with_runs=True)).all()
+
+            work = measure(conn, first)
+            conn.rollback()
+            assert 0 < work <= bound, work

@@ -95,6 +95,36 @@ def test_a_one_job_claim_deletes_its_run_record_once(engine: sa.Engine) -> None:
         ]
 
 
+def test_a_busy_claim_of_one_priority_polls_in_one_statement(engine: sa.Engine) -> None:
+    """With due jobs of its first priority, a claim of one job locks it with one statement
+    before recording its run (one round trip); MySQL and MariaDB read the due priorities
+    first (``Dialect.poll_finds_priority``)."""
+    for n in range(3):
+        enqueue_committed(engine, "ok", n)
+    sent: list[str] = []
+    # SQLite first looks for a due job without its write lock: the claim starts after.
+    claiming = threading.Event()
+    if engine.dialect.name != "sqlite":
+        claiming.set()
+    recorded = threading.Event()
+
+    @sa.event.listens_for(engine, "before_cursor_execute")
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.startswith("BEGIN IMMEDIATE"):
+            claiming.set()
+        if statement.startswith("INSERT INTO proletarian_job_run"):
+            recorded.set()
+        if claiming.is_set() and not recorded.is_set() and "proletarian_" in statement:
+            sent.append(statement)
+
+    assert sp.process_next_job(engine, _ok)
+    sa.event.remove(engine, "before_cursor_execute", record)
+    assert recorded.is_set()
+    expected = 1 if sp.dialects.dialect_of(engine).poll_finds_priority else 2
+    assert len(sent) == expected, sent
+    assert all(statement.lstrip().startswith(("SELECT", "WITH")) for statement in sent), sent
+
+
 def test_an_exception_without_retry_strategy_archives_a_failure_with_its_error(
     engine: sa.Engine,
 ) -> None:
