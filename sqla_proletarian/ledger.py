@@ -400,24 +400,21 @@ class ClaimRecords:
     def lose(self, conn: Connection) -> bool:
         """The claim's connection was lost while a handler ran and this worker lives on:
         its records lose their owner, and count as a dead worker's would; True if done."""
-        if not self.run_ids:
-            return True
-        try:
-            conn.execute(*sql.lose_runs(list(self.run_ids.values()), LOST_CONNECTION))
-            if conn.in_transaction():
-                conn.commit()
-        except Exception as exc:
-            log_event(logging.WARNING, "run-record-cleanup-error", error=repr(exc))
-            return False
-        self.ended()
-        return True
+        return self._settle(
+            conn, lambda: sql.lose_runs(list(self.run_ids.values()), LOST_CONNECTION)
+        )
 
     def forget(self, conn: Connection) -> bool:
         """Remove the records of a claim this live worker gives up; True if they are gone."""
+        return self._settle(conn, self._end_runs)
+
+    def _settle(self, conn: Connection, statement: Callable[[], sql.Statement]) -> bool:
+        """Commit ``statement`` over the claim's records, after which they are no longer
+        the claim's; False (the records stay as they were) if it fails."""
         if not self.run_ids:
             return True
         try:
-            conn.execute(*self._end_runs())
+            conn.execute(*statement())
             if conn.in_transaction():
                 conn.commit()
         except Exception as exc:
