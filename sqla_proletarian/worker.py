@@ -560,8 +560,13 @@ class QueueWorker:
         signum = self._signals.get()
         if signum is None:
             return
+        # daemon=False is said outright: a thread inherits the daemon flag of the thread
+        # that made it, and this one is made by the daemon watcher.
         exit_thread = threading.Thread(
-            target=self._exit_on_signal, args=(signum,), name=f"{self.worker_id}-signal-exit"
+            target=self._exit_on_signal,
+            args=(signum,),
+            name=f"{self.worker_id}-signal-exit",
+            daemon=False,
         )
         self._signal_exit = exit_thread
         exit_thread.start()

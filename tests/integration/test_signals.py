@@ -62,6 +62,9 @@ def test_a_signal_lets_the_running_job_finish_prints_a_summary_and_exits_by_the_
         [
             *(sys.executable, str(PROGRAM), url, str(events_file), "--signals"),
             *("--hang-type", "slow", "--hang-seconds", "1.0"),
+            # The exit runs the atexit hooks off the main thread, slowly, while the main
+            # thread has already returned: the interpreter must wait for it, not end with 0.
+            *("--slow-exit-hook", "0.5"),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -2,25 +2,35 @@
 
     python worker.py DATABASE_URL EVENTS_FILE [--hang-type T] [--hang-seconds S]
                      [--exit-after N] [--signals] [--threads N] [--max-unclean-ends N]
+                     [--slow-exit-hook S]
 
 The handler (advanced mode) appends ``start <job_id> <attempts> <pid>`` to EVENTS_FILE when
 a job starts and ``end <job_id> <pid>`` when it returns, so a test can see which jobs run
 and when one is mid-run. Jobs of type ``--hang-type`` sleep ``--hang-seconds`` first.
 With ``--exit-after N`` the process stops its worker and exits 0 once N jobs have an
 outcome; with ``--signals`` the worker installs its SIGINT/SIGTERM handlers and the main
-thread just waits, so the signal decides how the process ends.
+thread returns as soon as the worker has stopped, so the signal decides how the process
+ends. ``--slow-exit-hook S`` registers an atexit hook that takes S seconds off the main
+thread (a slow log shipper, say), which the exit after a signal runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import sys
+import threading
 import time
 
 import sqlalchemy as sa
 
 import sqla_proletarian as sp
+
+
+def slow_off_the_main_thread(seconds: float) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        time.sleep(seconds)
 
 
 def main() -> int:
@@ -33,7 +43,10 @@ def main() -> int:
     parser.add_argument("--signals", action="store_true")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--max-unclean-ends", type=int, default=3)
+    parser.add_argument("--slow-exit-hook", type=float, default=0.0)
     args = parser.parse_args()
+    if args.slow_exit_hook:
+        atexit.register(slow_off_the_main_thread, args.slow_exit_hook)
 
     def record(line: str) -> None:
         with open(args.events, "a", encoding="utf-8") as events:
