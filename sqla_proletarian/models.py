@@ -111,6 +111,17 @@ class Job(Base):
         Column("run_order", SmallInteger(), nullable=False, server_default=text("0")),
         # Held by one queued (or running) job of the queue at a time; NULL for most jobs.
         Column("unique_key", name_type(), nullable=True),
+        # Lease mode (a worker's ``lease_seconds``): while a worker holds the job's lease,
+        # ``process_at`` is the lease's expiry (so no poll reads a leased job before it
+        # expires) and ``due_at`` keeps the job's own due time. ``lease_token`` is the run's
+        # fence: only the run that wrote it can complete the job. ``unclean_ends`` counts
+        # leases that expired (runs that ended with their worker), for ``max_unclean_ends``.
+        Column("lease_token", Uuid(), nullable=True),
+        Column("lease_owner", name_type(), nullable=True),
+        Column("heartbeat_at", UTCDateTime(), nullable=True),
+        Column("due_at", UTCDateTime(), nullable=True),
+        Column("unclean_ends", SmallInteger(), nullable=False, server_default=text("0")),
+        Column("cancel_requested_at", UTCDateTime(), nullable=True),
         Index("ix_proletarian_job_poll", "queue", "run_order", "process_at", "seq"),
         Index(UNIQUE_KEY_INDEX, "queue", "unique_key", unique=True),
         mysql_engine=_MYSQL_TABLE_ARGS["mysql_engine"],

@@ -9,7 +9,8 @@ The DDL below is frozen: each helper is the schema change of one revision and ne
 later edits of the models. A release that changes the schema adds a revision and a helper for
 it: ``create_tables`` is ``sqlap_0001``; ``add_run_owners`` and ``add_enqueue_notifications``
 are ``sqlap_0002``; ``add_trace_context`` is ``sqlap_0003``; ``add_job_control`` is
-``sqlap_0004``; ``add_archived_unique_key`` is ``sqlap_0005``. A single-head project calls
+``sqlap_0004``; ``add_archived_unique_key`` is ``sqlap_0005``; ``add_leases`` is
+``sqlap_0006``. A single-head project calls
 each new helper from a new revision of its own, in that order.
 """
 
@@ -34,12 +35,14 @@ __all__ = [
     "add_archived_unique_key",
     "add_enqueue_notifications",
     "add_job_control",
+    "add_leases",
     "add_run_owners",
     "add_trace_context",
     "create_tables",
     "drop_archived_unique_key",
     "drop_enqueue_notifications",
     "drop_job_control",
+    "drop_leases",
     "drop_run_owners",
     "drop_tables",
     "drop_trace_context",
@@ -56,7 +59,7 @@ BRANCH_LABEL = "sqla_proletarian"
 INITIAL_REVISION = "sqlap_0001"
 
 #: The newest revision of the library's branch.
-HEAD_REVISION = "sqlap_0005"
+HEAD_REVISION = "sqlap_0006"
 
 # Table names are spelled out (not imported from the models) so the revision stays as written.
 _JOB = "proletarian_job"
@@ -308,3 +311,41 @@ def drop_archived_unique_key(op: Operations | ModuleType | None = None) -> None:
     """Undo :func:`add_archived_unique_key`: archived jobs stay, without their keys."""
     ops = _operations(op)
     ops.drop_column(_ARCHIVED_JOB, "unique_key")
+
+
+#: The lease columns of ``sqlap_0006``, in the order they are added.
+_LEASE_COLUMNS = (
+    "lease_token",
+    "lease_owner",
+    "heartbeat_at",
+    "due_at",
+    "unclean_ends",
+    "cancel_requested_at",
+)
+
+
+def add_leases(op: Operations | ModuleType | None = None) -> None:
+    """Let jobs run under a lease (``sqlap_0006``): nullable lease columns on the job table,
+    and ``unclean_ends`` (0 for the jobs already queued). No index: while leased, a job's
+    ``process_at`` is its lease's expiry, so the poll index serves the lease poll too."""
+    ops = _operations(op)
+    dialect = ops.get_context().dialect
+    ops.add_column(_JOB, sa.Column("lease_token", sa.Uuid(), nullable=True))
+    ops.add_column(_JOB, sa.Column("lease_owner", _name(dialect), nullable=True))
+    ops.add_column(_JOB, sa.Column("heartbeat_at", _timestamp(), nullable=True))
+    ops.add_column(_JOB, sa.Column("due_at", _timestamp(), nullable=True))
+    ops.add_column(
+        _JOB,
+        sa.Column("unclean_ends", sa.SmallInteger(), server_default=sa.text("0"), nullable=False),
+    )
+    ops.add_column(_JOB, sa.Column("cancel_requested_at", _timestamp(), nullable=True))
+
+
+def drop_leases(op: Operations | ModuleType | None = None) -> None:
+    """Undo :func:`add_leases`: queued jobs stay; a job leased at the time is due again at
+    its own time, with its lease forgotten."""
+    ops = _operations(op)
+    job = sa.table(_JOB, sa.column("process_at"), sa.column("due_at"))
+    ops.execute(job.update().where(job.c.due_at.is_not(None)).values(process_at=job.c.due_at))
+    for name in reversed(_LEASE_COLUMNS):
+        ops.drop_column(_JOB, name)

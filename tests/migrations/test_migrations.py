@@ -275,12 +275,14 @@ from sqla_proletarian.migrations import (
     add_archived_unique_key,
     add_enqueue_notifications,
     add_job_control,
+    add_leases,
     add_run_owners,
     add_trace_context,
     create_tables,
     drop_archived_unique_key,
     drop_enqueue_notifications,
     drop_job_control,
+    drop_leases,
     drop_run_owners,
     drop_tables,
     drop_trace_context,
@@ -332,12 +334,14 @@ def user_project(root: Path, *, calls_helpers: bool, library_location: bool) -> 
         extra_doc=" and the library's tables" if calls_helpers else "",
         upgrade_extra=(
             "create_tables(op); add_run_owners(op); add_enqueue_notifications(op); "
-            "add_trace_context(op); add_job_control(op); add_archived_unique_key(op)"
+            "add_trace_context(op); add_job_control(op); add_archived_unique_key(op); "
+            "add_leases(op)"
             if calls_helpers
             else "pass"
         ),
         downgrade_extra=(
-            "drop_archived_unique_key(op); drop_job_control(op); drop_trace_context(op); "
+            "drop_leases(op); drop_archived_unique_key(op); drop_job_control(op); "
+            "drop_trace_context(op); "
             "drop_enqueue_notifications(op); "
             "drop_run_owners(op); drop_tables(op)"
             if calls_helpers
