@@ -15,7 +15,9 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
+import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -523,9 +525,25 @@ def dashboard(args: argparse.Namespace) -> int:
                     f"warning: listening on {args.host}: the dashboard has no login of its "
                     "own, so anyone who reaches this port can use it",
                 )
-            with contextlib.suppress(KeyboardInterrupt):
-                server.serve_forever()
+            _serve_until_signal(server)
     return EXIT_OK
+
+
+def _serve_until_signal(server: Any) -> None:
+    """Serve until SIGINT or SIGTERM, each handled here: a process started in the
+    background of a script inherits SIGINT ignored, and Python then raises no
+    KeyboardInterrupt for it."""
+
+    def stop(signum: int, frame: object) -> None:
+        # shutdown() waits for serve_forever() to return, so it cannot run in its thread.
+        threading.Thread(target=server.shutdown, name="dashboard-stop", daemon=True).start()
+
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.serve_forever()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 # --- the table of commands -------------------------------------------------------------------
