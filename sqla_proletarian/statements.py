@@ -776,6 +776,8 @@ _LEASED = JOB.c.lease_token.is_not(None)
 _UNLEASED = JOB.c.lease_token.is_(None)
 #: A leased job's own due time.
 _LEASED_DUE_AT = func.coalesce(JOB.c.due_at, JOB.c.process_at)
+#: A queued job's own due time, leased or not.
+DUE_AT = case((_LEASED, _LEASED_DUE_AT), else_=JOB.c.process_at)
 _LEASE_NOW = bindparam("now", type_=JOB.c.process_at.type)
 _LIVE_LEASE = (_LEASED, JOB.c.process_at > _LEASE_NOW)
 
@@ -805,7 +807,7 @@ def leased_jobs(
 
 _REQUEST_CANCEL = (
     update(JOB)
-    .where(JOB.c.seq == bindparam("seq"), *_LIVE_LEASE)
+    .where(JOB.c.seq == bindparam("job_seq"), *_LIVE_LEASE)
     .values(cancel_requested_at=func.coalesce(JOB.c.cancel_requested_at, _LEASE_NOW))
 )
 
@@ -813,7 +815,7 @@ _REQUEST_CANCEL = (
 def request_cancel(seq: int, now: datetime) -> Statement:
     """Ask the worker holding a job's live lease to stop it (by primary key; its heartbeat
     carries the request to the handler); an earlier request's time is kept."""
-    return _REQUEST_CANCEL, {"seq": seq, "now": now}
+    return _REQUEST_CANCEL, {"job_seq": seq, "now": now}
 
 
 _LOCK_TO_CANCEL = (
