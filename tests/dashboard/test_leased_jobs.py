@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import uuid
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
@@ -184,3 +185,47 @@ def test_the_cancel_command_says_a_running_leased_job_was_asked_to_stop(
         "within a heartbeat)"
     )
     assert cancel(queued) == f"job {queued} cancelled (archived as cancelled)"
+
+
+def test_a_lease_mode_workers_running_job_is_running_and_its_cancel_reaches_the_handler(
+    engine: sa.Engine,
+) -> None:
+    """While a worker with ``lease_seconds`` runs a job (no transaction open), queue_status
+    and list_jobs show it running under the worker's lease; cancel_job is True, the
+    heartbeat sets the handler's cancel_requested, and the job ends archived as cancelled."""
+    with engine.begin() as conn:
+        job_id = sp.enqueue(conn, "report")
+    started, done = threading.Event(), threading.Event()
+    asked: list[bool] = []
+
+    def handler(job: sp.JobContext) -> None:
+        started.set()
+        asked.append(job.cancel_requested.wait(10))
+        done.set()
+
+    worker = sp.create_queue_worker(
+        engine,
+        handler,
+        handler_mode="advanced",
+        worker_id="lease-worker",
+        lease_seconds=5,
+        heartbeat_interval=0.05,
+    )
+    worker.start()
+    try:
+        assert started.wait(10), "the worker never started the job"
+        now = sp.utc_now()
+        [status] = sp.queue_status(engine, clock=at(now))
+        assert (status.ready, status.scheduled, status.running) == (0, 0, 1)
+        [running] = listed(engine, "running", now)
+        assert (running.job_id, running.lease_expired) == (job_id, False)
+        assert running.owner is not None and running.owner.startswith("lease-worker@")
+        assert running.lease_expires_at is not None and running.lease_expires_at > now
+        with engine.begin() as conn:
+            assert sp.cancel_job(conn, job_id)
+        assert done.wait(10), "the handler never returned"
+    finally:
+        worker.stop()
+    assert asked == [True]
+    detail = sp.get_job(engine, job_id)
+    assert detail is not None and detail.state == "cancelled"
