@@ -45,7 +45,7 @@ from sqla_proletarian.errors import (
 from sqla_proletarian.handlers import AsyncJobContext, JobContext, JobSession, StopSignal
 from sqla_proletarian.leases import LeaseRunner, LeaseSession, new_runner
 from sqla_proletarian.logs import log_event
-from sqla_proletarian.running import Outcome, RunSettings
+from sqla_proletarian.running import RUNNING_SIGNAL, Outcome, RunSettings
 from sqla_proletarian.values import DEFAULT_QUEUE
 from sqla_proletarian.worker import WorkerOptions, _check_pool, scheduler_for, transient_backoff
 
@@ -197,7 +197,7 @@ def _settle(result: Any) -> Any:
         ) from exc
 
 
-async def _stoppable(result: Any, signal: threading.Event) -> Any:
+async def _stoppable(result: Any, signal: threading.Event | None) -> Any:
     """Await a handler's result in a task of its own, cancelled when the worker asks the
     handler to stop (``job.cancel_requested``: lease mode's cancel, timeout, lost lease)."""
     if not inspect.isawaitable(result):
@@ -291,7 +291,7 @@ class AsyncQueueWorker:
             return _settle(_stoppable(handler(self._context(job)), job.cancel_requested))
 
         def run_default(job_type: str, payload: Any) -> Any:
-            return _settle(handler(job_type, payload))
+            return _settle(_stoppable(handler(job_type, payload), RUNNING_SIGNAL.get()))
 
         return dataclasses.replace(
             settings,
