@@ -37,7 +37,8 @@ def cancel_job(
     A job running under a live lease is not archived here: ``cancel_requested_at`` is set
     (an earlier request's time is kept), the worker's next heartbeat after the caller's
     commit sets the handler's ``job.cancel_requested``, and the worker archives the job as
-    ``"cancelled"`` when its handler ends. A job whose lease expired (its worker died or
+    ``"cancelled"`` when its handler ends (commit soon: the heartbeat skips the row while
+    the caller's transaction holds it). A job whose lease expired (its worker died or
     froze) is cancelled as a queued one: a frozen worker's late completion finds the lease
     gone and writes nothing.
 
