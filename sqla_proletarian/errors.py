@@ -281,6 +281,21 @@ def _refused_login(orig: BaseException) -> bool:
     return any(refusal in message for refusal in _PG_REFUSED_LOGIN)
 
 
+def idle_limit_hit(exc: BaseException, ran_for: float, idle_timeout: float | None) -> bool:
+    """Whether a lost connection was the server ending a session that sat idle in its
+    transaction (PostgreSQL names it; MariaDB only drops the connection, after
+    ``idle_timeout``)."""
+    if idle_timeout and ran_for >= idle_timeout:
+        return True
+    orig = driver_error(exc)
+    state = sqlstate(orig) if orig is not None else None
+    message = str(orig if orig is not None else exc).lower()
+    return state == "25P03" or any(
+        name in message
+        for name in ("idle-in-transaction", "idle_in_transaction", "idle_transaction_timeout")
+    )
+
+
 def connection_loss_hint(
     exc: BaseException, ran_for: float = 0.0, idle_timeout: float | None = None
 ) -> str:

@@ -32,7 +32,14 @@ from sqlalchemy import Connection, Engine
 from sqla_proletarian import ledger, telemetry, turns
 from sqla_proletarian import statements as sql
 from sqla_proletarian.dialects import Dialect
-from sqla_proletarian.errors import ConfigurationError, JobCrashedError, JobTimeoutError
+from sqla_proletarian.errors import (
+    ConfigurationError,
+    JobCrashedError,
+    JobTimeoutError,
+    connection_loss_hint,
+    idle_limit_hit,
+    is_transient,
+)
 from sqla_proletarian.execution import JobRunner, poll_due_jobs
 from sqla_proletarian.handlers import JobContext, JobSession, StopSignal
 from sqla_proletarian.logs import log_event
@@ -48,6 +55,8 @@ from sqla_proletarian.running import (
 #: Seconds between looks at the running jobs' timeouts (their heartbeats go by their own
 #: interval).
 TIMEOUT_CHECK = 0.1
+#: Seconds between attempts to give a lease back while the database is out of reach.
+GIVE_BACK_PAUSE = 0.5
 
 
 class LeaseSession(JobSession):
@@ -62,6 +71,8 @@ class LeaseSession(JobSession):
         self._stack = ExitStack()
         self._conn: Connection | None = None
         self._handling = False
+        #: When the job's connection was taken (time.monotonic()).
+        self.opened_at = 0.0
         super().__init__(None)  # type: ignore[arg-type]
 
     @property
@@ -81,6 +92,7 @@ class LeaseSession(JobSession):
             conn = self._stack.enter_context(self._dialect.claim_connection(self._engine))
             self._dialect.begin_claim(conn)
             self._conn = conn
+            self.opened_at = time.monotonic()
         return self._conn
 
     @job_connection.setter
@@ -92,6 +104,11 @@ class LeaseSession(JobSession):
         """Whether the job's connection was taken."""
         return self._conn is not None
 
+    @property
+    def lost(self) -> bool:
+        """Whether the job's connection was taken and has been lost since."""
+        return self._conn is not None and self._conn.invalidated
+
     @contextlib.contextmanager
     def handling(self) -> Iterator[None]:
         """While the handler runs (the savepoint opens with the connection: see get_bind)."""
@@ -102,7 +119,10 @@ class LeaseSession(JobSession):
             self._handling = False
 
     def outcome_connection(self) -> Connection:
-        """The connection the job's outcome is written on, in a transaction."""
+        """The connection the job's outcome is written on, in a transaction (a fresh one if
+        the session's was lost)."""
+        if self.lost:
+            self.release()
         conn = self.job_connection
         if not conn.in_transaction():
             self._dialect.begin_claim(conn)
@@ -181,6 +201,8 @@ class LeasedRun:
     started: float = field(default_factory=time.monotonic)
     context: JobContext | None = None
     claimed_at: datetime | None = None
+    #: Whether its lease was given back (released or ended to be counted).
+    released: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -240,6 +262,8 @@ class LeaseRunner(RunnerBase):
         self._upkeep_lock = new_lock()
         self._closed = threading.Event()
         self._keeper: threading.Thread | None = None
+        #: The server's idle-transaction limit, once read (0: none).
+        self._idle_timeout: tuple[float] | None = None
 
     # --- what the workers call --------------------------------------------------------------
 
@@ -325,10 +349,14 @@ class LeaseRunner(RunnerBase):
         try:
             self._execute(sql.release_leases([r.job_id for r in released], self._tokens(released)))
         except Exception as exc:
+            # SQLite: a stuck handler's session holds the write lock; its late end
+            # releases the lease instead.
             log_event(logging.WARNING, "lease-release-error", error=repr(exc))
             return
         finally:
             self._forget(*released)
+        for run in released:
+            run.released = True
         log_event(
             logging.INFO,
             "leases-released",
@@ -498,8 +526,14 @@ class LeaseRunner(RunnerBase):
         fields = self._fields(run.job)
         if not run.begin_ending():
             # Timed out (the outcome is written) or released by a stop that gave up.
-            session.abandon()
+            session.release()
             log_event(logging.INFO, "late-handler-discarded", **fields, reason=run.signal.reason)
+            if not run.released and run.signal.reason == "stopping":
+                # The release waited for this session (SQLite's write lock): now it can go.
+                self._give_back(run, charged=False)
+            return None, None
+        if error is not None and session.lost:
+            self._lost(run, session, error)
             return None, None
         reason = run.signal.reason
         if reason == "lease-lost":
@@ -585,15 +619,19 @@ class LeaseRunner(RunnerBase):
             conn.commit()
             return True
         except Exception as exc:
-            self._not_written(run, exc)
+            self._not_written(run, own, exc)
             return False
         finally:
             if session is None:
                 own.release()
 
-    def _not_written(self, run: LeasedRun, exc: Exception) -> None:
-        """The outcome could not be written (the session's connection was lost, say): end
-        the lease now with its token, so the next claim runs the job again and counts it."""
+    def _not_written(self, run: LeasedRun, session: LeaseSession, exc: Exception) -> None:
+        """The outcome could not be written. A lost connection: the job runs again (see
+        _lost). Anything else: end the lease now with its token, so that the next claim runs
+        the job again and counts the run as an unclean end."""
+        if session.lost or is_transient(exc):
+            self._lost(run, session, exc)
+            return
         log_event(
             logging.ERROR,
             "outcome-recording-error",
@@ -604,6 +642,60 @@ class LeaseRunner(RunnerBase):
         )
         with contextlib.suppress(Exception):
             self._execute(sql.expire_lease(run.job_id, run.token, self.now()))
+
+    def _lost(self, run: LeasedRun, session: LeaseSession, exc: Exception) -> None:
+        """The job's session was lost before its outcome was written: nothing of the run
+        was committed, and the job runs again. Counted as an unclean end only when the
+        server ended the session for sitting idle in its transaction (a limit the job hits
+        each time it runs, which would loop), not for a restart, a failover or a kill."""
+        ran_for = time.monotonic() - session.opened_at if session.opened else 0.0
+        idle_limit = self._idle_limit()
+        charged = idle_limit_hit(exc, ran_for, idle_limit)
+        hint = connection_loss_hint(exc, ran_for, idle_limit)
+        if charged:
+            hint += "; the run counts as an unclean end (max_unclean_ends)"
+        fields = self._fields(run.job)
+        log_event(logging.ERROR, "job-connection-lost", **fields, error=repr(exc), hint=hint)
+        session.release()
+        self._give_back(run, charged=charged)
+
+    def _idle_limit(self) -> float | None:
+        """The server's idle-transaction limit where its errors do not name it (MariaDB),
+        read once."""
+        if self._idle_timeout is None:
+            try:
+                with self.dialect.claim_connection(self.engine) as conn:
+                    self._idle_timeout = (self.dialect.idle_timeout(conn) or 0.0,)
+            except Exception:
+                return None
+        return self._idle_timeout[0] or None
+
+    def _give_back(self, run: LeasedRun, *, charged: bool) -> None:
+        """Make the job due again at once: released (no unclean end), or ``charged`` (its
+        token kept, so the next claim counts one). While the database is out of reach it
+        tries again, for up to a lease; the heartbeat renews the lease meanwhile."""
+        statement = (
+            sql.expire_lease(run.job_id, run.token, self.now())
+            if charged
+            else sql.release_leases([run.job_id], [run.token])
+        )
+        deadline = time.monotonic() + self._lease.total_seconds()
+        while True:
+            try:
+                self._execute(statement)
+                run.released = True
+                return
+            except Exception as exc:
+                if time.monotonic() >= deadline or self._stopping():
+                    log_event(
+                        logging.WARNING,
+                        "lease-release-error",
+                        **self._fields(run.job),
+                        error=repr(exc),
+                        hint="the job runs again once its lease expires",
+                    )
+                    return
+                self._sleep(GIVE_BACK_PAUSE)
 
     def _fenced(self, run: LeasedRun) -> None:
         log_event(

@@ -72,6 +72,15 @@ class RunSettings:
     job_timeout: float | None = None
 
 
+def attempt_of(job: dict[str, Any]) -> int:
+    """The run's attempt as handlers and retry strategies count it (1 on the first run): the
+    runs that ended with an outcome, plus this one. ``attempts`` also counts the lease-mode
+    runs that ended uncleanly (each claim counts its run), which are ``unclean_ends``, with
+    one more for an expired lease found on the job now."""
+    expired = job.get("unclean_ends", 0) + (job.get("lease_token") is not None)
+    return int(job["attempts"]) - int(expired) + 1
+
+
 def describe(exc: BaseException) -> str:
     """The archive's error text: the exception type, message and where it was raised."""
     text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
@@ -146,7 +155,7 @@ class RunnerBase:
             queue=job["queue"],
             job_type=job["job_type"],
             payload=payload,
-            attempts=job["attempts"] + 1,
+            attempts=attempt_of(job),
             enqueued_at=job["enqueued_at"],
             # A leased job's process_at is its lease's expiry; due_at is its own.
             process_at=job.get("due_at") or job["process_at"],
@@ -184,7 +193,7 @@ class RunnerBase:
         self, job: dict[str, Any], context: JobContext, exc: Exception
     ) -> tuple[datetime | None, int]:
         """When a failed run's job runs again (None: it fails for good), and retries left."""
-        attempt = job["attempts"] + 1
+        attempt = attempt_of(job)
         fields = self._fields(job)
         strategy = self._strategy(job, context, exc)
         try:
@@ -247,7 +256,7 @@ class RunnerBase:
             "job_id": job["job_id"],
             "job_type": job["job_type"],
             "queue": job["queue"],
-            "attempt": job["attempts"] + 1,
+            "attempt": attempt_of(job),
         }
 
 
