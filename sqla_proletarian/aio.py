@@ -42,9 +42,10 @@ from sqla_proletarian.errors import (
     is_transient,
     polling_error_hint,
 )
-from sqla_proletarian.execution import JobRunner, Outcome, RunSettings, WorkerConnections
+from sqla_proletarian.execution import JobRunner, WorkerConnections
 from sqla_proletarian.handlers import AsyncJobContext, JobContext, JobSession
 from sqla_proletarian.logs import log_event
+from sqla_proletarian.running import Outcome, RunSettings
 from sqla_proletarian.values import DEFAULT_QUEUE
 from sqla_proletarian.worker import WorkerOptions, _check_pool, scheduler_for, transient_backoff
 

@@ -69,21 +69,37 @@ class JobCrashedError(ProletarianError):
     """A job's runs ended uncleanly too often: its worker died with it running, or the
     database ended the session of its transaction while its handler ran."""
 
-    def __init__(self, job_id: object, unclean_ends: int, connection_losses: int = 0) -> None:
+    def __init__(
+        self,
+        job_id: object,
+        unclean_ends: int,
+        connection_losses: int = 0,
+        *,
+        expired_leases: int = 0,
+    ) -> None:
         self.job_id = job_id
         self.unclean_ends = unclean_ends
         self.connection_losses = connection_losses
-        died = unclean_ends - connection_losses
+        self.expired_leases = expired_leases
+        died = unclean_ends - connection_losses - expired_leases
         causes = []
         if died:
             causes.append(f"{died} ended with the worker process that ran it")
+        if expired_leases:
+            causes.append(
+                f"{expired_leases} ended with the lease expired: the worker died, froze or "
+                "could not reach the database for longer than lease_seconds, or lost the "
+                "job's session before it could record the outcome"
+            )
         if connection_losses:
             causes.append(
                 f"{connection_losses} lost the job's database session while the handler ran, "
                 "though the worker lived: the server ended that one session, most likely for "
                 "an idle-transaction limit (PostgreSQL's idle_in_transaction_session_timeout, "
                 "MariaDB's idle_transaction_timeout) shorter than the job. Raise the limit for "
-                "the worker's sessions, or split the job into shorter ones"
+                "the worker's sessions, split the job into shorter ones, or run it in lease "
+                "mode (the worker option lease_seconds), where no transaction stays open "
+                "while the handler runs"
             )
         super().__init__(
             f"job {job_id} "
@@ -93,6 +109,21 @@ class JobCrashedError(ProletarianError):
             "again. A restart of the database server, a failover or killed sessions are not "
             "counted. Fix the cause, then enqueue the job again (retry_failed); raise "
             "max_unclean_ends to allow more such runs."
+        )
+
+
+class JobTimeoutError(ProletarianError):
+    """A job ran longer than the worker's ``job_timeout``: it was failed (and retried per the
+    retry strategy) while its handler was asked to stop (``job.cancel_requested``)."""
+
+    def __init__(self, job_id: object, seconds: float) -> None:
+        self.job_id = job_id
+        self.seconds = seconds
+        super().__init__(
+            f"job {job_id} timed out: it ran longer than job_timeout ({seconds:g} s), so it "
+            "was failed and its handler asked to stop (job.cancel_requested); whatever it "
+            "writes through job.session from then on is discarded. Raise job_timeout, or "
+            "make the job shorter"
         )
 
 

@@ -1,15 +1,14 @@
-"""Running one claimed job: claim, run the handler, record the outcome, all in one transaction."""
+"""Transaction mode: claim a job, run its handler and record the outcome, all in one
+transaction (the shared parts are in ``running``; lease mode is in ``leases``)."""
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import os
 import socket
 import threading
 import time
-import traceback
 import uuid
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
@@ -26,7 +25,6 @@ from sqla_proletarian.dialects import dialect_of
 from sqla_proletarian.errors import (
     JobCrashedError,
     JobTransactionLostError,
-    PayloadDeserializationError,
     ProletarianError,
     connection_loss_hint,
     driver_error,
@@ -36,39 +34,18 @@ from sqla_proletarian.errors import (
 from sqla_proletarian.handlers import JobContext, JobSession
 from sqla_proletarian.ledger import ClaimRecords
 from sqla_proletarian.logs import log_event
-from sqla_proletarian.retry import RetryStrategy, as_retry_strategy
-from sqla_proletarian.serialization import Serializer
-from sqla_proletarian.values import Clock, check_aware
+from sqla_proletarian.running import (
+    Failure,
+    Outcome,
+    RunnerBase,
+    RunSettings,
+    describe,
+    rollback_quietly,
+)
 
-Outcome = Literal["succeeded", "retried", "failed"]
-RetryStrategyFn = Callable[[JobContext, Exception], RetryStrategy | None]
-FailedJobHandler = Callable[[JobContext, Exception], object]
-Failure = tuple[JobContext, Exception]
-
-#: Longest error text kept in the archive.
-MAX_ERROR_TEXT = 4000
 #: Seconds a worker whose claim lost its connection waits before it looks whether its
 #: owner's session lives too.
 LOSS_SETTLE = 0.5
-
-
-@dataclass(frozen=True)
-class RunSettings:
-    """What a JobRunner needs to know, taken from the worker options."""
-
-    queue: str
-    handler: Callable[..., Any]
-    handler_mode: Literal["default", "advanced"]
-    retry_strategy: RetryStrategyFn | None
-    failed_job_handler: FailedJobHandler | None
-    serializer: Serializer
-    clock: Clock
-    worker_id: str
-    max_unclean_ends: int | None
-    #: Jobs claimed in one transaction (SQLite: always 1).
-    batch_size: int = 1
-    #: Seconds a run record's owner must stay gone before its run counts (``ledger``).
-    reconnect_grace: float = ledger.OWNER_GRACE
 
 
 @dataclass
@@ -169,23 +146,10 @@ def poll_due_jobs(
     return jobs
 
 
-def describe(exc: BaseException) -> str:
-    """The archive's error text: the exception type, message and where it was raised."""
-    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-    frames = traceback.extract_tb(exc.__traceback__)
-    if frames:
-        last = frames[-1]
-        text += f"\n  at {last.filename}:{last.lineno} in {last.name}"
-    return text[:MAX_ERROR_TEXT]
-
-
-class JobRunner:
+class JobRunner(RunnerBase):
     """Claims and runs jobs one transaction at a time. Thread-safe; shared by worker threads.
 
-    ``stopping`` says whether the worker is stopping: once it does, no handler starts. The
-    asyncio worker runs it in greenlets of one thread: it gives locks and a sleep that let
-    the event loop run while a task waits (``new_lock``, ``sleep``), and names its tasks
-    (``unit_name``).
+    See ``RunnerBase`` for ``stopping``, ``new_lock``, ``unit_name`` and ``sleep``.
     """
 
     def __init__(
@@ -199,13 +163,15 @@ class JobRunner:
         unit_name: Callable[[], str] = lambda: threading.current_thread().name,
         sleep: Callable[[float], object] = time.sleep,
     ) -> None:
-        self.engine = engine
-        self.settings = settings
-        self.dialect = dialect_of(engine)
-        self._on_outcome = on_outcome
-        self._stopping = stopping or (lambda: False)
-        self._unit_name = unit_name
-        self._sleep = sleep
+        super().__init__(
+            engine,
+            settings,
+            on_outcome,
+            stopping,
+            new_lock=new_lock,
+            unit_name=unit_name,
+            sleep=sleep,
+        )
         self._connect_lock = new_lock()
         #: SQLite: the claims of every runner of the process on the database file take turns.
         self._claim_turn = turns.turn_for(engine.url, new_lock)
@@ -225,9 +191,6 @@ class JobRunner:
             if self._separate_ledger and self.dialect.owner_lock in ("advisory", "named")
             else None
         )
-
-    def now(self) -> datetime:
-        return check_aware("clock()", self.settings.clock())
 
     @property
     def connections_per_thread(self) -> int:
@@ -306,17 +269,6 @@ class JobRunner:
             connections.claimed_last = self._process(connections)
         return connections.claimed_last
 
-    def _any_due(self, conn: Connection) -> bool:
-        """Whether a job of the queue is due, read without taking the write lock."""
-        due = sql.due_job(self.settings.queue, self.now(), self.dialect.priority_scan)
-        return _read_alone(conn, due) is not None
-
-    def _commits(self, conn: Connection) -> int:
-        """SQLite's count of other connections' commits to the file, as seen from ``conn``."""
-        row = _read_alone(conn, sql.data_version())
-        assert row is not None
-        return int(row[0])
-
     def abandon_in_flight(self) -> None:
         """Remove the run records of handlers still running when the worker gives up on them
         (shutdown timeout), so the process's exit is not charged to their jobs.
@@ -388,7 +340,7 @@ class JobRunner:
                 connections.record.ended()
         except BaseException as exc:
             if claim is None:
-                _rollback_quietly(conn)
+                rollback_quietly(conn)
                 raise
             if claim.phase == "claimed":
                 # Nothing ran yet: give the job back and report the error as a polling error.
@@ -519,7 +471,7 @@ class JobRunner:
         """End a claim without an outcome: roll it back, then remove its run record (the
         rollback first, since the claim may hold the record's row lock). In between, the
         record's live owner keeps any other claim from counting it as an unclean end."""
-        _rollback_quietly(connections.conn)
+        rollback_quietly(connections.conn)
         self._forget(connections)
 
     def _forget(self, connections: WorkerConnections, *, lost: bool = False) -> None:
@@ -566,7 +518,7 @@ class JobRunner:
             if conn.in_transaction():
                 conn.commit()
         except Exception:
-            _rollback_quietly(conn)
+            rollback_quietly(conn)
             for job_id, run_id in orphans:
                 ledger.add_orphan(self._database, job_id, run_id)
             raise
@@ -595,7 +547,7 @@ class JobRunner:
             # SystemExit or another BaseException from the handler ends the worker as a
             # dying process would: the run counts as an unclean end, so a job that always
             # exits cannot loop.
-            _rollback_quietly(conn)
+            rollback_quietly(conn)
             if connections.record is not None and not connections.records_on.invalidated:
                 connections.record.disown(connections.records_on, claim.job["job_id"])
             return False
@@ -622,7 +574,7 @@ class JobRunner:
                     "the run counts as an unclean end (max_unclean_ends)"
                 )
             log_event(logging.ERROR, "job-connection-lost", **fields, error=repr(exc), hint=hint)
-            _rollback_quietly(conn)
+            rollback_quietly(conn)
             self._forget(connections, lost=counted)
             return False
         if driver_error(exc) is not None and not isinstance(exc, sa_exc.DataError):
@@ -645,7 +597,7 @@ class JobRunner:
         # The outcome itself could not be written (a retry time no column can hold...):
         # record that as the job's failure in a transaction of its own, and go on.
         log_event(logging.ERROR, "outcome-recording-error", **fields, error=repr(exc))
-        _rollback_quietly(conn)
+        rollback_quietly(conn)
         self._fail_again(connections, claim, exc)
         return True
 
@@ -667,7 +619,7 @@ class JobRunner:
             self._archive(conn, claim.job, "failure", attempts, describe(error))
             conn.commit()
         except Exception:
-            _rollback_quietly(conn)
+            rollback_quietly(conn)
             self._forget(connections)
             raise
         finally:
@@ -678,37 +630,28 @@ class JobRunner:
 
     # --- the handler and its outcome --------------------------------------------------------
 
-    def _context(self, job: dict[str, Any], payload: Any, session: JobSession) -> JobContext:
-        return JobContext(
-            job_id=job["job_id"],
-            queue=job["queue"],
-            job_type=job["job_type"],
-            payload=payload,
-            attempts=job["attempts"] + 1,
-            enqueued_at=job["enqueued_at"],
-            process_at=job["process_at"],
-            session=session,
-        )
-
     def _run(self, conn: Connection, claim: _Claim) -> tuple[Outcome, Failure | None]:
         """Run the handler and write the outcome into the claim's transaction."""
         job = claim.job
         fields = self._fields(job)
         session = JobSession(conn)
         try:
-            try:
-                payload = self.settings.serializer.loads(job["payload"])
-                decode_error = None
-            except Exception as exc:
-                payload = job["payload"]
-                decode_error = PayloadDeserializationError(job["job_id"], str(exc))
+            payload, decode_error = self._payload(job)
             context = self._context(job, payload, session)
             limit = self.settings.max_unclean_ends
-            unclean = claim.past.unclean_ends
+            # Leases that expired (lease mode's unclean ends) count too; their runs are in
+            # attempts already.
+            leased = job.get("unclean_ends", 0) + (job.get("lease_token") is not None)
+            unclean = claim.past.unclean_ends + leased
             # The archive's attempts count every run, those that ended uncleanly included.
-            runs = job["attempts"] + unclean + 1
+            runs = job["attempts"] + claim.past.unclean_ends + 1
             if limit is not None and unclean >= limit:
-                crashed = JobCrashedError(job["job_id"], unclean, claim.past.connection_losses)
+                crashed = JobCrashedError(
+                    job["job_id"],
+                    unclean,
+                    claim.past.connection_losses,
+                    expired_leases=leased,
+                )
                 log_event(logging.ERROR, "job-crashed", **fields, unclean_ends=unclean)
                 return self._fail(conn, claim, context, crashed, runs - 1)
             if unclean:
@@ -741,72 +684,22 @@ class JobRunner:
         finally:
             _close_quietly(session)
 
-    def _call_handler(self, context: JobContext) -> None:
-        if self.settings.handler_mode == "advanced":
-            result = self.settings.handler(context)
-        else:
-            result = self.settings.handler(context.job_type, context.payload)
-        if inspect.isawaitable(result):
-            if inspect.iscoroutine(result):
-                result.close()
-            raise ProletarianError(
-                "the handler returned an awaitable, so its work never ran: handlers must be "
-                "plain functions (wrap async code with asyncio.run)"
-            )
-        if inspect.isgenerator(result):
-            result.close()
-        if inspect.isgenerator(result) or inspect.isasyncgen(result):
-            raise ProletarianError(
-                "the handler returned a generator, so its body never ran: handlers must be "
-                "plain functions, not generators"
-            )
-
     def _after_exception(
         self, conn: Connection, claim: _Claim, context: JobContext, exc: Exception, runs: int
     ) -> tuple[Outcome, Failure | None]:
         job = claim.job
-        attempt = job["attempts"] + 1
-        fields = self._fields(job)
-        strategy = self._strategy(job, context, exc)
-        try:
-            left = strategy.retries_left(attempt) if strategy is not None else 0
-            retry_at = strategy.retry_at(attempt, self.now()) if strategy and left > 0 else None
-        except Exception as error:
-            # A delay beyond what a date can hold, or a clock that fails: no retry can be
-            # scheduled, so the job ends as failed with the reason.
-            log_event(
-                logging.ERROR,
-                "retry-strategy-error",
-                **fields,
-                error=repr(error),
-                hint="the retry could not be scheduled; the job is archived as failed",
-            )
-            return self._fail(conn, claim, context, exc, runs)
+        retry_at, left = self._retry_at(job, context, exc)
         if retry_at is None:
-            log_event(logging.INFO, "not-retrying", **fields)
             return self._fail(conn, claim, context, exc, runs)
         _expect_one(conn.execute(*sql.retry(job["job_id"], retry_at)), "retry")
         log_event(
-            logging.INFO, "retrying", **fields, retry_at=retry_at.isoformat(), retries_left=left
+            logging.INFO,
+            "retrying",
+            **self._fields(job),
+            retry_at=retry_at.isoformat(),
+            retries_left=left,
         )
         return "retried", None
-
-    def _strategy(
-        self, job: dict[str, Any], context: JobContext, exc: Exception
-    ) -> RetryStrategy | None:
-        if self.settings.retry_strategy is None:
-            return None
-        try:
-            return as_retry_strategy(self.settings.retry_strategy(context, exc))
-        except Exception as error:
-            log_event(
-                logging.ERROR,
-                "retry-strategy-error",
-                **self._fields(job),
-                error=repr(error),
-                hint="the retry strategy raised; the job is archived as failed",
-            )
-            return None
 
     def _fail(
         self,
@@ -849,34 +742,6 @@ class JobRunner:
         if with_runs:
             conn.execute(*sql.end_runs(job["job_id"]))
 
-    def _finished(self, job: dict[str, Any], outcome: Outcome, failure: Failure | None) -> None:
-        """After the commit: count the outcome and call the failed-job handler."""
-        if self._on_outcome is not None:
-            self._on_outcome(outcome)
-        if failure is None or self.settings.failed_job_handler is None:
-            return
-        context, exc = failure
-        try:
-            self.settings.failed_job_handler(context, exc)
-        except Exception as error:
-            log_event(
-                logging.ERROR,
-                "failed-job-handler-error",
-                **self._fields(job),
-                error=repr(error),
-                hint="the job stays archived as failed",
-            )
-
-    def _fields(self, job: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "worker_id": self.settings.worker_id,
-            "thread_name": self._unit_name(),
-            "job_id": job["job_id"],
-            "job_type": job["job_type"],
-            "queue": job["queue"],
-            "attempt": job["attempts"] + 1,
-        }
-
 
 def _expect_one(result: Any, what: str) -> None:
     """The job's own row must be there: a claim whose row is gone lost its transaction."""
@@ -884,26 +749,6 @@ def _expect_one(result: Any, what: str) -> None:
         raise JobTransactionLostError(
             f"the job's {what} touched no row: its row lock was lost and another worker ran it"
         )
-
-
-def _read_alone(conn: Connection, statement: sql.Statement) -> Any:
-    """The first row of one read on the claim's connection, in a transaction of its own."""
-    try:
-        row = conn.execute(*statement).first()
-        conn.rollback()
-    except BaseException:
-        _rollback_quietly(conn)
-        raise
-    return row
-
-
-def _rollback_quietly(conn: Connection) -> None:
-    """Roll back the claim's transaction; a dead connection has nothing left to roll back."""
-    try:
-        if conn.in_transaction() and not conn.invalidated:
-            conn.rollback()
-    except Exception as exc:
-        log_event(logging.DEBUG, "rollback-error", error=repr(exc))
 
 
 def _close_quietly(session: JobSession) -> None:

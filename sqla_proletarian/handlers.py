@@ -3,6 +3,7 @@ table by job type (JobHandlers)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import uuid
@@ -141,6 +142,40 @@ class JobSession(Session):
                 ) from exc
 
 
+class StopSignal(threading.Event):
+    """``job.cancel_requested``: an Event the worker sets when it wants the handler to stop
+    (a cancel request, the job's timeout, a lost lease, a stop that gave up waiting), with
+    the reason, and callbacks run when it is set (the asyncio worker's, to cancel a task)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: Why the stop was asked for: "cancelled", "timed-out", "lease-lost", "stopping".
+        self.reason: str | None = None
+        self._callbacks: list[Callable[[], object]] = []
+        self._lock = threading.Lock()
+
+    def request(self, reason: str) -> bool:
+        """Ask the handler to stop, for ``reason``; False if it was asked already."""
+        with self._lock:
+            if self.reason is not None:
+                return False
+            self.reason = reason
+            callbacks = list(self._callbacks)
+        self.set()
+        for callback in callbacks:
+            with contextlib.suppress(Exception):
+                callback()
+        return True
+
+    def add_callback(self, callback: Callable[[], object]) -> None:
+        """Call ``callback`` when the stop is requested (at once if it was already)."""
+        with self._lock:
+            if self.reason is None:
+                self._callbacks.append(callback)
+                return
+        callback()
+
+
 @dataclass(frozen=True)
 class _ClaimedJob:
     """What every view of a claimed job holds, whatever its session."""
@@ -160,10 +195,14 @@ class JobContext(_ClaimedJob):
 
     ``attempts`` is 1 on the first run. ``session`` is bound to the job's own transaction:
     what the handler writes through it commits with the job's archive row, or rolls back if
-    the handler raises.
+    the handler raises. In lease mode it is a Session of the job's own, which takes a
+    connection and opens its transaction on first use; the worker completes the job in
+    that transaction. ``cancel_requested`` is set when the worker wants the handler to stop
+    (lease mode: a cancel request, ``job_timeout``, a lost lease, a stop that gave up).
     """
 
     session: Session = field(repr=False, compare=False)
+    cancel_requested: threading.Event = field(default_factory=StopSignal, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -171,10 +210,14 @@ class AsyncJobContext(_ClaimedJob):
     """A claimed job, as the asyncio worker's advanced-mode handler (and its retry strategy
     and failed-job handler) see it: a JobContext whose ``session`` is an AsyncSession over
     the job's own transaction, with the same promise (its writes commit with the job's
-    archive row, or roll back if the handler raises).
+    archive row, or roll back if the handler raises). ``cancel_requested`` is an
+    asyncio.Event; when it is set, the handler's task is cancelled too.
     """
 
     session: AsyncSession = field(repr=False, compare=False)
+    cancel_requested: asyncio.Event = field(
+        default_factory=asyncio.Event, repr=False, compare=False
+    )
 
 
 F = TypeVar("F", bound=Callable[..., Any])

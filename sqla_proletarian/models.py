@@ -127,7 +127,20 @@ class Job(Base):
         mysql_engine=_MYSQL_TABLE_ARGS["mysql_engine"],
         mysql_charset=_MYSQL_TABLE_ARGS["mysql_charset"],
     )
-    __mapper_args__ = {"primary_key": ["job_id"], "exclude_properties": ["seq"]}  # noqa: RUF012
+    # The lease columns are the workers' (read them with Core: ``Job.__table__.c``): mapped,
+    # a server default among them would make each flush fetch it back row by row.
+    __mapper_args__ = {  # noqa: RUF012
+        "primary_key": ["job_id"],
+        "exclude_properties": [
+            "seq",
+            "lease_token",
+            "lease_owner",
+            "heartbeat_at",
+            "due_at",
+            "unclean_ends",
+            "cancel_requested_at",
+        ],
+    }
 
     job_id: Mapped[uuid.UUID]
     queue: Mapped[str]

@@ -66,6 +66,10 @@ JOB_COLUMNS = (
     JOB.c.trace_context,
     JOB.c.run_order,
     JOB.c.unique_key,
+    JOB.c.lease_token,
+    JOB.c.due_at,
+    JOB.c.unclean_ends,
+    JOB.c.cancel_requested_at,
 )
 
 
@@ -213,7 +217,9 @@ def due_run_orders(queue: str, now: datetime, scan: PriorityScan) -> Statement:
 _INSERT_JOB = insert(JOB).inline()
 
 #: The columns an enqueue writes, in order: those a claim reads (``seq`` is the server's).
-ENQUEUED_COLUMNS = tuple(column.name for column in JOB_COLUMNS)
+#: The columns an enqueue writes: a claimed job's, less its lease's.
+_LEASE_STATE = ("lease_token", "due_at", "unclean_ends", "cancel_requested_at")
+ENQUEUED_COLUMNS = tuple(column.name for column in JOB_COLUMNS if column.name not in _LEASE_STATE)
 #: The enqueued columns the archive keeps: all but the enqueuer's trace context.
 _KEPT_COLUMNS = tuple(name for name in ENQUEUED_COLUMNS if name in ARCHIVE.c)
 
@@ -327,7 +333,8 @@ def archive(
         "payload": job["payload"],
         "attempts": attempts,
         "enqueued_at": job["enqueued_at"],
-        "process_at": job["process_at"],
+        # A leased job's process_at is its lease's expiry; due_at is its own.
+        "process_at": job.get("due_at") or job["process_at"],
         "run_order": job["run_order"],
         "unique_key": job.get("unique_key"),
         "status": status,
@@ -372,7 +379,7 @@ def _as_archived(columns: Any) -> Select[Any]:
         columns.payload,
         columns.attempts + 1,
         columns.enqueued_at,
-        columns.process_at,
+        func.coalesce(columns.due_at, columns.process_at),
         columns.run_order,
         columns.unique_key,
         literal("success", String(16)),
@@ -503,16 +510,140 @@ def archive_succeeded(
     ]
 
 
+#: An expired lease taken by a transaction-mode claim is an unclean end (see leases).
+_EXPIRED_LEASE = case((JOB.c.lease_token.is_(None), 0), else_=1)
+#: What a retry writes besides the new due time: no lease (MySQL assigns in this order,
+#: each seeing the ones before, so the count reads the token before it is cleared).
+_NO_LEASE = (
+    (JOB.c.unclean_ends, JOB.c.unclean_ends + _EXPIRED_LEASE),
+    (JOB.c.lease_token, null()),
+    (JOB.c.lease_owner, null()),
+    (JOB.c.heartbeat_at, null()),
+    (JOB.c.due_at, null()),
+    (JOB.c.cancel_requested_at, null()),
+)
 _RETRY = (
     update(JOB)
     .where(JOB.c.job_id == bindparam("id"))
-    .values(attempts=JOB.c.attempts + 1, process_at=bindparam("retry_at"))
+    .ordered_values(
+        *_NO_LEASE,
+        (JOB.c.attempts, JOB.c.attempts + 1),
+        (JOB.c.process_at, bindparam("retry_at")),
+    )
 )
 
 
 def retry(job_id: uuid.UUID, retry_at: datetime) -> Statement:
     """Count the failed run and schedule the next one."""
     return _RETRY, {"id": job_id, "retry_at": retry_at}
+
+
+# --- lease mode: claims that commit a lease, renewals, fenced ends ------------------------
+
+_TOKEN = bindparam("token", type_=Uuid())
+_LEASE_IDS: BindParameter[Any] = bindparam("ids", expanding=True)
+_LEASE_TOKENS: BindParameter[Any] = bindparam("tokens", expanding=True, type_=Uuid())
+#: The rows of a worker's leases: its job ids, still carrying one of its tokens.
+_HELD = (JOB.c.job_id.in_(_LEASE_IDS), JOB.c.lease_token.in_(_LEASE_TOKENS))
+
+_LEASE = (
+    update(JOB)
+    .where(JOB.c.job_id.in_(_LEASE_IDS))
+    .ordered_values(
+        # In this order (MySQL assigns left to right): the count reads the old token, due_at
+        # the old process_at.
+        (JOB.c.unclean_ends, JOB.c.unclean_ends + _EXPIRED_LEASE),
+        (JOB.c.due_at, func.coalesce(JOB.c.due_at, JOB.c.process_at)),
+        (JOB.c.attempts, JOB.c.attempts + 1),
+        (JOB.c.lease_token, _TOKEN),
+        (JOB.c.lease_owner, bindparam("owner")),
+        (JOB.c.heartbeat_at, bindparam("now", type_=JOB.c.process_at.type)),
+        (JOB.c.process_at, bindparam("expiry", type_=JOB.c.process_at.type)),
+    )
+)
+
+
+def lease(
+    job_ids: list[uuid.UUID], token: uuid.UUID, owner: str, now: datetime, expiry: datetime
+) -> Statement:
+    """Lease the jobs a claim locked, under one fresh token: count the run (and an expired
+    lease as an unclean end), keep their own due time, and make ``process_at`` the expiry."""
+    return _LEASE, {"ids": job_ids, "token": token, "owner": owner, "now": now, "expiry": expiry}
+
+
+_RENEW = (
+    update(JOB)
+    .where(*_HELD)
+    .values(
+        heartbeat_at=bindparam("now", type_=JOB.c.process_at.type),
+        process_at=bindparam("expiry", type_=JOB.c.process_at.type),
+    )
+)
+_STILL_HELD = select(JOB.c.job_id, JOB.c.cancel_requested_at).where(*_HELD)
+
+
+def renew_leases(
+    job_ids: list[uuid.UUID], tokens: list[uuid.UUID], now: datetime, expiry: datetime
+) -> Statement:
+    """Move the worker's leases' expiry on (a heartbeat); a lease another run took is left."""
+    return _RENEW, {"ids": job_ids, "tokens": tokens, "now": now, "expiry": expiry}
+
+
+def leases_held(job_ids: list[uuid.UUID], tokens: list[uuid.UUID]) -> Statement:
+    """Which of the worker's leases it still holds, and whether a cancel was requested."""
+    return _STILL_HELD, {"ids": job_ids, "tokens": tokens}
+
+
+_END_LEASE = delete(JOB).where(JOB.c.job_id == bindparam("job_id"), JOB.c.lease_token == _TOKEN)
+
+
+def end_lease(job_id: uuid.UUID, token: uuid.UUID) -> Statement:
+    """Remove a leased job that ended, only if it still carries the run's token (the fence:
+    a run whose lease another run took removes nothing)."""
+    return _END_LEASE, {"job_id": job_id, "token": token}
+
+
+_RETRY_LEASE = (
+    update(JOB)
+    .where(JOB.c.job_id == bindparam("id"), JOB.c.lease_token == _TOKEN)
+    .ordered_values(*_NO_LEASE[1:], (JOB.c.process_at, bindparam("retry_at")))
+)
+
+
+def retry_lease(job_id: uuid.UUID, token: uuid.UUID, retry_at: datetime) -> Statement:
+    """Schedule a leased job's next run (its claim counted this one), fenced by the token."""
+    return _RETRY_LEASE, {"id": job_id, "token": token, "retry_at": retry_at}
+
+
+_RELEASE_LEASES = (
+    update(JOB)
+    .where(*_HELD)
+    .ordered_values(
+        # process_at first: MySQL would read the due_at cleared after it.
+        (JOB.c.process_at, func.coalesce(JOB.c.due_at, JOB.c.process_at)),
+        (JOB.c.attempts, JOB.c.attempts - 1),
+        *_NO_LEASE[1:],
+    )
+)
+
+
+def release_leases(job_ids: list[uuid.UUID], tokens: list[uuid.UUID]) -> Statement:
+    """Give leases back unrun (a stop that gave up): due again at their own time at once,
+    their run not counted, and no unclean end."""
+    return _RELEASE_LEASES, {"ids": job_ids, "tokens": tokens}
+
+
+_EXPIRE = (
+    update(JOB)
+    .where(JOB.c.job_id == bindparam("id"), JOB.c.lease_token == _TOKEN)
+    .values(process_at=bindparam("now", type_=JOB.c.process_at.type))
+)
+
+
+def expire_lease(job_id: uuid.UUID, token: uuid.UUID, now: datetime) -> Statement:
+    """End a lease now with its token kept, so that the next claim counts an unclean end
+    (a run whose session was lost, or that ended its worker)."""
+    return _EXPIRE, {"id": job_id, "token": token, "now": now}
 
 
 _START_RUNS = insert(RUN)

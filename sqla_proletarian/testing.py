@@ -23,8 +23,9 @@ from sqla_proletarian.errors import (
     PayloadDeserializationError,
     ProletarianError,
 )
-from sqla_proletarian.execution import JobRunner, Outcome
+from sqla_proletarian.execution import JobRunner
 from sqla_proletarian.models import Job
+from sqla_proletarian.running import Outcome
 from sqla_proletarian.serialization import DEFAULT_SERIALIZER, Serializer
 from sqla_proletarian.worker import WorkerOptions
 

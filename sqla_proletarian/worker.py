@@ -28,17 +28,11 @@ from sqla_proletarian.errors import (
     polling_error_hint,
     transient_hint,
 )
-from sqla_proletarian.execution import (
-    FailedJobHandler,
-    JobRunner,
-    Outcome,
-    RetryStrategyFn,
-    RunSettings,
-    WorkerConnections,
-)
+from sqla_proletarian.leases import check_lease_settings, new_runner
 from sqla_proletarian.logs import log_event
 from sqla_proletarian.models import DEFAULT_QUEUE
 from sqla_proletarian.periodic import PeriodicJob, Scheduler, check_periodic_jobs
+from sqla_proletarian.running import FailedJobHandler, Outcome, RetryStrategyFn, RunSettings
 from sqla_proletarian.serialization import DEFAULT_SERIALIZER, Serializer
 from sqla_proletarian.values import Clock, check_name, utc_now
 
@@ -111,6 +105,9 @@ class WorkerOptions:
     poll_only: bool = False
     periodic_jobs: tuple[PeriodicJob, ...] = ()
     reconnect_grace: float = DEFAULT_RECONNECT_GRACE
+    lease_seconds: float | None = None
+    heartbeat_interval: float | None = None
+    job_timeout: float | None = None
 
     def __post_init__(self) -> None:
         check_name("queue", self.queue)
@@ -138,6 +135,7 @@ class WorkerOptions:
                 f"batch_size is {self.batch_size}; give at most {MAX_BATCH_SIZE} (a batch "
                 "holds its jobs' row locks until its last handler has run)"
             )
+        check_lease_settings(self.lease_seconds, self.heartbeat_interval, self.job_timeout)
         if self.worker_id is None:
             object.__setattr__(self, "worker_id", f"proletarian[{self.queue}]")
         object.__setattr__(self, "periodic_jobs", check_periodic_jobs(self.periodic_jobs))
@@ -170,6 +168,9 @@ class WorkerOptions:
             max_unclean_ends=self.max_unclean_ends,
             batch_size=self.batch_size,
             reconnect_grace=self.reconnect_grace,
+            lease_seconds=self.lease_seconds,
+            heartbeat_interval=self.heartbeat_interval,
+            job_timeout=self.job_timeout,
         )
 
 
@@ -215,7 +216,7 @@ class QueueWorker:
         self.worker_id: str = options.worker_id or ""
         self._stopping = threading.Event()
         dialect_of(engine).check_worker_engine(engine)
-        self._runner = JobRunner(
+        self._runner = new_runner(
             engine, options.run_settings(handler), self._count, stopping=self._stopping.is_set
         )
         _check_pool(
@@ -447,7 +448,7 @@ class QueueWorker:
     def _poll(self) -> None:
         """Claim and run jobs until the worker stops, holding the thread's connections."""
         backoff = 0.0
-        connections: WorkerConnections | None = None
+        connections: Any = None
         try:
             while not self._stopping.is_set():
                 try:
@@ -705,4 +706,4 @@ def process_next_job(engine: Engine, handler: Callable[..., Any], **options: Any
     ``max_unclean_ends``, ``reconnect_grace``). Database errors are raised to the caller.
     """
     settings = WorkerOptions.from_kwargs(options).run_settings(handler)
-    return JobRunner(engine, settings).process_one()
+    return new_runner(engine, settings).process_one()

@@ -1,0 +1,774 @@
+"""Lease mode: a claim commits a lease at once, and the handler runs with no transaction open.
+
+A claim locks due jobs (``FOR UPDATE SKIP LOCKED``), writes a lease on each (a fresh token,
+the worker, attempts + 1, and ``process_at`` moved to the lease's expiry, so that no poll of
+either mode reads the job while the lease lives) and commits. The worker's heartbeat renews
+all its leases in one statement every ``heartbeat_interval``; a lease that expired (its
+worker died or froze) is due again for any worker's ordinary poll, which counts an unclean
+end. The handler's ``job.session`` takes a connection on first use; the job is completed in
+that transaction (delete where the row still carries the run's token, archive) and it
+commits: a run whose lease another run took by then removes nothing and rolls back, so its
+writes never commit and the job is archived once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Literal
+
+from sqlalchemy import Connection, Engine
+
+from sqla_proletarian import ledger, telemetry, turns
+from sqla_proletarian import statements as sql
+from sqla_proletarian.dialects import Dialect
+from sqla_proletarian.errors import ConfigurationError, JobCrashedError, JobTimeoutError
+from sqla_proletarian.execution import JobRunner, poll_due_jobs
+from sqla_proletarian.handlers import JobContext, JobSession, StopSignal
+from sqla_proletarian.logs import log_event
+from sqla_proletarian.running import (
+    Failure,
+    Outcome,
+    RunnerBase,
+    RunSettings,
+    describe,
+    rollback_quietly,
+)
+
+#: Seconds between looks at the running jobs' timeouts (their heartbeats go by their own
+#: interval).
+TIMEOUT_CHECK = 0.1
+
+
+class LeaseSession(JobSession):
+    """A leased job's Session: it takes a connection and opens the job's transaction on
+    first use (no connection is held while the handler does not use it). What the handler
+    writes is inside the worker's savepoint of that transaction, as in transaction mode; the
+    worker completes the job in the same transaction."""
+
+    def __init__(self, engine: Engine, dialect: Dialect) -> None:
+        self._engine = engine
+        self._dialect = dialect
+        self._stack = ExitStack()
+        self._conn: Connection | None = None
+        self._handling = False
+        super().__init__(None)  # type: ignore[arg-type]
+
+    @property
+    def bind(self) -> Connection | None:
+        """The job's connection, taken on first use."""
+        if getattr(self, "_closed", False) and self._conn is None:
+            return None
+        return self.job_connection
+
+    @bind.setter
+    def bind(self, value: object) -> None:
+        """Session.__init__ sets it; the connection is the session's own."""
+
+    @property
+    def job_connection(self) -> Connection:
+        if self._conn is None:
+            conn = self._stack.enter_context(self._dialect.claim_connection(self._engine))
+            self._dialect.begin_claim(conn)
+            self._conn = conn
+        return self._conn
+
+    @job_connection.setter
+    def job_connection(self, value: object) -> None:
+        """JobSession.__init__ sets it; the connection is taken on first use."""
+
+    @property
+    def opened(self) -> bool:
+        """Whether the job's connection was taken."""
+        return self._conn is not None
+
+    @contextlib.contextmanager
+    def handling(self) -> Iterator[None]:
+        """While the handler runs (the savepoint opens with the connection: see get_bind)."""
+        self._handling = True
+        try:
+            yield
+        finally:
+            self._handling = False
+
+    def outcome_connection(self) -> Connection:
+        """The connection the job's outcome is written on, in a transaction."""
+        conn = self.job_connection
+        if not conn.in_transaction():
+            self._dialect.begin_claim(conn)
+        return conn
+
+    def abandon(self) -> None:
+        """Roll back everything the session's transaction holds (the handler's writes)."""
+        with contextlib.suppress(Exception):
+            JobSession.close(self)
+        if self._conn is not None:
+            rollback_quietly(self._conn)
+
+    def release(self) -> None:
+        """Close the session for good and give its connection back to the pool."""
+        self.abandon()
+        try:
+            self._stack.close()
+        except Exception as exc:
+            log_event(logging.DEBUG, "connection-close-error", error=repr(exc))
+        self._conn = None
+
+
+class LeaseConnections:
+    """A thread's claim connection in lease mode: taken for a claim (and the periodic jobs'
+    check), given back before any handler runs."""
+
+    def __init__(self, engine: Engine, dialect: Dialect) -> None:
+        self._engine = engine
+        self._dialect = dialect
+        self._stack = ExitStack()
+        self._conn: Connection | None = None
+        #: Whether the thread's last claim took a job (SQLite: no read first next time).
+        self.claimed_last = False
+
+    @property
+    def conn(self) -> Connection:
+        if self._conn is None:
+            self._conn = self._stack.enter_context(self._dialect.claim_connection(self._engine))
+        return self._conn
+
+    def release(self) -> None:
+        """Give the connection back to the pool (it is taken again when next needed)."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        try:
+            self._stack.close()
+        except Exception as exc:
+            log_event(logging.DEBUG, "connection-close-error", error=repr(exc))
+
+    def close(self) -> None:
+        self.release()
+
+    def __enter__(self) -> LeaseConnections:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+RunState = Literal["claimed", "running", "ending"]
+
+
+@dataclass(eq=False)
+class LeasedRun:
+    """One job under this worker's lease, from its claim until its outcome is written."""
+
+    job: dict[str, Any]
+    token: uuid.UUID
+    #: Unclean ends of the job's earlier runs, this claim's count included.
+    unclean_ends: int
+    #: Whether the job has run records of transaction-mode runs (removed when it ends).
+    had_runs: bool
+    signal: StopSignal = field(default_factory=StopSignal)
+    state: RunState = "claimed"
+    started: float = field(default_factory=time.monotonic)
+    context: JobContext | None = None
+    claimed_at: datetime | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def job_id(self) -> uuid.UUID:
+        return self.job["job_id"]  # type: ignore[no-any-return]
+
+    def start(self) -> None:
+        with self._lock:
+            self.state = "running"
+            self.started = time.monotonic()
+
+    def begin_ending(self) -> bool:
+        """Take the right to write the run's outcome; False if another path took it (the
+        timeout, or a stop that released the lease)."""
+        with self._lock:
+            if self.state == "ending":
+                return False
+            self.state = "ending"
+            return True
+
+
+class LeaseRunner(RunnerBase):
+    """Claims jobs under leases and runs their handlers with no transaction open.
+    Thread-safe; shared by a worker's threads (or tasks), with one heartbeat for all."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        settings: RunSettings,
+        on_outcome: Callable[[Outcome], None] | None = None,
+        stopping: Callable[[], bool] | None = None,
+        *,
+        new_lock: Callable[[], AbstractContextManager[Any]] = threading.Lock,
+        unit_name: Callable[[], str] = lambda: threading.current_thread().name,
+        sleep: Callable[[float], object] = time.sleep,
+    ) -> None:
+        super().__init__(
+            engine,
+            settings,
+            on_outcome,
+            stopping,
+            new_lock=new_lock,
+            unit_name=unit_name,
+            sleep=sleep,
+        )
+        assert settings.lease_seconds is not None
+        self._lease = timedelta(seconds=settings.lease_seconds)
+        self.heartbeat_interval = settings.heartbeat_interval or settings.lease_seconds / 3
+        self._batch_size = 1 if self.dialect.claim_takes_write_lock else settings.batch_size
+        self._claim_turn = turns.turn_for(engine.url, new_lock)
+        self._host = f"{socket.gethostname()}:{os.getpid()}"
+        #: Run records of transaction-mode runs are read (and counted) only where they exist.
+        self._with_runs = settings.max_unclean_ends is not None
+        self._runs: dict[uuid.UUID, LeasedRun] = {}
+        self._runs_lock = threading.Lock()
+        self._next_beat = time.monotonic() + self.heartbeat_interval
+        self._upkeep_lock = new_lock()
+        self._closed = threading.Event()
+        self._keeper: threading.Thread | None = None
+
+    # --- what the workers call --------------------------------------------------------------
+
+    connections_per_thread = 1
+    #: The heartbeat's connection, taken for each renewal.
+    shared_connections = 1
+
+    @property
+    def upkeep_interval(self) -> float:
+        """Seconds between calls of keep_owner() (heartbeats, timeouts)."""
+        if self.settings.job_timeout is not None:
+            return min(self.heartbeat_interval, TIMEOUT_CHECK)
+        return self.heartbeat_interval
+
+    def keep_owner(self) -> None:
+        """Renew the leases when a heartbeat is due, and time out jobs past job_timeout."""
+        with self._upkeep_lock:
+            if time.monotonic() >= self._next_beat:
+                self._next_beat = time.monotonic() + self.heartbeat_interval
+                self._beat()
+            if self.settings.job_timeout is not None:
+                self._time_out()
+
+    def start_keeping_owner(self) -> None:
+        """Run the heartbeat from a thread of its own until close()."""
+        if self._keeper is not None:
+            return
+        self._closed.clear()
+
+        def beat_until_closed() -> None:
+            while not self._closed.wait(self.upkeep_interval):
+                try:
+                    self.keep_owner()
+                except Exception as exc:
+                    log_event(logging.WARNING, "heartbeat-error", error=repr(exc))
+
+        self._keeper = threading.Thread(
+            target=beat_until_closed, name=f"{self.settings.worker_id}-heartbeat", daemon=True
+        )
+        self._keeper.start()
+
+    def close(self) -> None:
+        """Stop the heartbeat (after the last claim)."""
+        self._closed.set()
+        keeper, self._keeper = self._keeper, None
+        if keeper is not None and keeper is not threading.current_thread():
+            keeper.join(timeout=5)
+
+    def open_connections(self) -> LeaseConnections:
+        return LeaseConnections(self.engine, self.dialect)
+
+    def process_one(self, connections: Any = None) -> bool:
+        """Claim and run at most one claim's jobs; True if a job was claimed."""
+        if connections is not None:
+            return self._claim_and_run(connections)
+        try:
+            self.start_keeping_owner()
+            with self.open_connections() as opened:
+                return self._claim_and_run(opened)
+        finally:
+            self.close()
+
+    def abandon_in_flight(self) -> None:
+        """Release the leases of the handlers still running when a stop gives up on them:
+        their jobs are due again at once, without an unclean end, and each handler is asked
+        to stop; their late outcomes are fenced off."""
+        released = [run for run in self._running() if run.begin_ending()]
+        if not released:
+            return
+        for run in released:
+            run.signal.request("stopping")
+        try:
+            self._execute(sql.release_leases([r.job_id for r in released], self._tokens(released)))
+        except Exception as exc:
+            log_event(logging.WARNING, "lease-release-error", error=repr(exc))
+            return
+        finally:
+            self._forget(*released)
+        log_event(
+            logging.INFO,
+            "leases-released",
+            worker_id=self.settings.worker_id,
+            jobs=len(released),
+            hint="their jobs are due again at once, without an unclean end; what their "
+            "handlers still write through job.session is discarded",
+        )
+
+    # --- the claim --------------------------------------------------------------------------
+
+    def _claim_and_run(self, connections: LeaseConnections) -> bool:
+        if self._stopping():
+            return False
+        if self.dialect.claim_takes_write_lock:
+            # SQLite: the write lock is taken only for a due job, in the process's turn.
+            try:
+                if not connections.claimed_last and not self._any_due(connections.conn):
+                    connections.release()
+                    return False
+                conn = connections.conn
+                with self._claim_turn.taken(lambda: self._commits(conn), self._sleep):
+                    runs = self._claim(connections)
+            finally:
+                connections.release()
+        else:
+            try:
+                runs = self._claim(connections)
+            finally:
+                connections.release()
+        connections.claimed_last = bool(runs)
+        for index, run in enumerate(runs):
+            if self._stopping():
+                self._release(runs[index:])
+                break
+            self._run(run)
+        return bool(runs)
+
+    def _claim(self, connections: LeaseConnections) -> list[LeasedRun]:
+        """Lease the next due jobs, if any, in a transaction that commits at once."""
+        conn = connections.conn
+        now = self.now()
+        token = uuid.uuid4()
+        limit = self.settings.max_unclean_ends
+        ended: list[tuple[dict[str, Any], str, int, Exception | None]] = []
+        runs: list[LeasedRun] = []
+        self.dialect.begin_claim(conn)
+        try:
+            jobs = poll_due_jobs(
+                conn, self.settings.queue, now, self._batch_size, with_runs=self._with_runs
+            )
+            for job in jobs:
+                records = job.pop("runs", 0)
+                past = ledger.past_runs(
+                    self.dialect, conn, job["job_id"], records, self.settings.reconnect_grace
+                )
+                if past.held:
+                    continue  # a transaction-mode run of it may still be going
+                expired = job["unclean_ends"] + (job["lease_token"] is not None)
+                unclean = expired + past.unclean_ends
+                runs_so_far = job["attempts"] + past.unclean_ends
+                if job["cancel_requested_at"] is not None:
+                    ended.append((job, "cancelled", runs_so_far, None))
+                elif limit is not None and unclean >= limit:
+                    crashed = JobCrashedError(
+                        job["job_id"], unclean, past.connection_losses, expired_leases=expired
+                    )
+                    ended.append((job, "failure", runs_so_far, crashed))
+                else:
+                    runs.append(LeasedRun(job, token, unclean, bool(records), claimed_at=now))
+            for job, status, attempts, error in ended:
+                # The claim holds the row's lock: it removes the job itself.
+                conn.execute(*sql.delete_job(job["job_id"]))
+                self._archive(conn, job, status, attempts, error, with_runs=True)
+            if runs:
+                owner = f"{self.settings.worker_id}@{self._host}/{self._unit_name()}"
+                conn.execute(
+                    *sql.lease([r.job_id for r in runs], token, owner, now, now + self._lease)
+                )
+            conn.commit()
+        except BaseException:
+            rollback_quietly(conn)
+            raise
+        with self._runs_lock:
+            self._runs.update((run.job_id, run) for run in runs)
+        for job, status, _, error in ended:
+            self._ended_at_claim(job, status, error)
+        return runs
+
+    def _ended_at_claim(self, job: dict[str, Any], status: str, error: Exception | None) -> None:
+        fields = self._fields(job)
+        if error is None:
+            log_event(logging.INFO, "job-cancelled", **fields, hint="cancelled while leased")
+            return
+        log_event(logging.ERROR, "job-crashed", **fields, error=repr(error))
+        session = LeaseSession(self.engine, self.dialect)
+        session.release()
+        payload, _ = self._payload(job)
+        assert isinstance(error, Exception)
+        self._finished(job, "failed", (self._context(job, payload, session), error))
+
+    # --- one job ----------------------------------------------------------------------------
+
+    def _run(self, run: LeasedRun) -> None:
+        job = run.job
+        fields = self._fields(job)
+        payload, decode_error = self._payload(job)
+        session = LeaseSession(self.engine, self.dialect)
+        context = run.context = self._context(job, payload, session, run.signal)
+        if run.unclean_ends:
+            log_event(logging.WARNING, "job-interrupted", **fields, unclean_ends=run.unclean_ends)
+        log_event(logging.DEBUG, "handling-job", **fields)
+        run.start()
+        try:
+            with telemetry.run_span(job, run.claimed_at) as span:
+                error = self._handle(run, session, context, decode_error)
+                outcome, failure = self._end(run, session, context, error)
+                span.ended(outcome or run.signal.reason or "fenced", error)
+        finally:
+            self._forget(run)
+            session.release()
+        if outcome is not None:
+            self._finished(job, outcome, failure)
+
+    def _handle(
+        self,
+        run: LeasedRun,
+        session: LeaseSession,
+        context: JobContext,
+        decode_error: Exception | None,
+    ) -> Exception | None:
+        """Run the handler; the exception it raised, if any."""
+        try:
+            if decode_error is not None:
+                raise decode_error
+            with session.handling():
+                self._call_handler(context)
+            return None
+        except Exception as exc:
+            return exc
+        except asyncio.CancelledError:
+            if run.signal.reason is not None:
+                return None  # the worker cancelled the handler's task: its reason decides
+            self._interrupted(run, session, charged=False)
+            raise
+        except KeyboardInterrupt:
+            self._interrupted(run, session, charged=False)
+            raise
+        except BaseException:
+            # SystemExit or the like ends the worker as a dying process would: the run
+            # counts as an unclean end, so a job that always exits cannot loop.
+            self._interrupted(run, session, charged=True)
+            raise
+
+    def _end(
+        self,
+        run: LeasedRun,
+        session: LeaseSession,
+        context: JobContext,
+        error: Exception | None,
+    ) -> tuple[Outcome | None, Failure | None]:
+        """Write the run's outcome, fenced by its token; the outcome to count, if any."""
+        fields = self._fields(run.job)
+        if not run.begin_ending():
+            # Timed out (the outcome is written) or released by a stop that gave up.
+            session.abandon()
+            log_event(logging.INFO, "late-handler-discarded", **fields, reason=run.signal.reason)
+            return None, None
+        reason = run.signal.reason
+        if reason == "lease-lost":
+            session.abandon()
+            self._fenced(run)
+            return None, None
+        if reason == "cancelled":
+            session.abandon()
+            self._write(run, session, "cancelled", None)
+            log_event(logging.INFO, "job-cancelled", **fields, hint="cancelled while running")
+            return None, None
+        if error is None:
+            try:
+                session.finish()
+            except Exception as exc:
+                error = exc
+        if error is None:
+            if not self._write(run, session, "success", None):
+                return None, None
+            log_event(logging.DEBUG, "job-finished", **fields)
+            return "succeeded", None
+        log_event(logging.WARNING, "handle-job-exception", **fields, error=repr(error))
+        telemetry.job_error(error)
+        session.abandon()
+        return self._failed(run, session, context, error)
+
+    def _failed(
+        self,
+        run: LeasedRun,
+        session: LeaseSession | None,
+        context: JobContext,
+        error: Exception,
+    ) -> tuple[Outcome | None, Failure | None]:
+        """Retry the job per the retry strategy, or archive it as failed."""
+        job = run.job
+        retry_at, left = self._retry_at(job, context, error)
+        if retry_at is None:
+            if not self._write(run, session, "failure", error):
+                return None, None
+            return "failed", (context, error)
+        statement = sql.retry_lease(run.job_id, run.token, retry_at)
+        if not self._write_fenced(run, session, lambda conn: conn.execute(*statement).rowcount):
+            return None, None
+        log_event(
+            logging.INFO,
+            "retrying",
+            **self._fields(job),
+            retry_at=retry_at.isoformat(),
+            retries_left=left,
+        )
+        return "retried", None
+
+    def _write(
+        self, run: LeasedRun, session: LeaseSession | None, status: str, error: Exception | None
+    ) -> bool:
+        """Remove the job where it still carries the run's token and archive it, in the
+        session's transaction (with the handler's writes); False if it was fenced off."""
+        attempts = run.job["attempts"] + 1
+
+        def remove_and_archive(conn: Connection) -> int:
+            removed = conn.execute(*sql.end_lease(run.job_id, run.token)).rowcount
+            if removed:
+                self._archive(conn, run.job, status, attempts, error, with_runs=run.had_runs)
+            return int(removed)
+
+        return self._write_fenced(run, session, remove_and_archive)
+
+    def _write_fenced(
+        self,
+        run: LeasedRun,
+        session: LeaseSession | None,
+        write: Callable[[Connection], int],
+    ) -> bool:
+        """Run ``write`` (which returns the rows it found by the run's token) and commit;
+        roll back if it found none. A failure to write leaves the lease to expire."""
+        own = session if session is not None else LeaseSession(self.engine, self.dialect)
+        try:
+            conn = own.outcome_connection()
+            if not write(conn):
+                rollback_quietly(conn)
+                self._fenced(run)
+                return False
+            conn.commit()
+            return True
+        except Exception as exc:
+            self._not_written(run, exc)
+            return False
+        finally:
+            if session is None:
+                own.release()
+
+    def _not_written(self, run: LeasedRun, exc: Exception) -> None:
+        """The outcome could not be written (the session's connection was lost, say): end
+        the lease now with its token, so the next claim runs the job again and counts it."""
+        log_event(
+            logging.ERROR,
+            "outcome-recording-error",
+            **self._fields(run.job),
+            error=repr(exc),
+            hint="nothing was recorded; the job runs again, and the run counts as an "
+            "unclean end (max_unclean_ends)",
+        )
+        with contextlib.suppress(Exception):
+            self._execute(sql.expire_lease(run.job_id, run.token, self.now()))
+
+    def _fenced(self, run: LeasedRun) -> None:
+        log_event(
+            logging.WARNING,
+            "lease-lost",
+            **self._fields(run.job),
+            hint="the job's lease expired and another run took it (this worker froze or "
+            "could not reach the database for longer than lease_seconds), or it was "
+            "released: nothing this run wrote was committed",
+        )
+
+    def _interrupted(self, run: LeasedRun, session: LeaseSession, *, charged: bool) -> None:
+        """The handler was interrupted by the process ending: give the lease back unrun
+        (Ctrl-C, a cancelled task), or end it now to be counted (SystemExit)."""
+        session.abandon()
+        if not run.begin_ending():
+            return
+        statement = (
+            sql.expire_lease(run.job_id, run.token, self.now())
+            if charged
+            else sql.release_leases([run.job_id], [run.token])
+        )
+        with contextlib.suppress(Exception):
+            self._execute(statement)
+
+    def _release(self, runs: list[LeasedRun]) -> None:
+        """Give claimed leases back unrun (a stop came before their handlers started)."""
+        for run in runs:
+            run.begin_ending()
+        try:
+            self._execute(sql.release_leases([r.job_id for r in runs], self._tokens(runs)))
+        except Exception as exc:
+            log_event(logging.WARNING, "lease-release-error", error=repr(exc))
+        finally:
+            self._forget(*runs)
+
+    def _archive(
+        self,
+        conn: Connection,
+        job: dict[str, Any],
+        status: str,
+        attempts: int,
+        error: Exception | None,
+        *,
+        with_runs: bool,
+    ) -> None:
+        conn.execute(
+            *sql.archive(
+                job,
+                status=status,
+                attempts=attempts,
+                finished_at=self.now(),
+                error=describe(error) if error is not None else None,
+                upsert=self.dialect.archive_upsert,
+            )
+        )
+        if with_runs:
+            conn.execute(*sql.end_runs(job["job_id"]))
+
+    # --- the heartbeat and the timeouts -----------------------------------------------------
+
+    def _running(self) -> list[LeasedRun]:
+        with self._runs_lock:
+            return list(self._runs.values())
+
+    def _forget(self, *runs: LeasedRun) -> None:
+        with self._runs_lock:
+            for run in runs:
+                if self._runs.get(run.job_id) is run:
+                    del self._runs[run.job_id]
+
+    @staticmethod
+    def _tokens(runs: list[LeasedRun]) -> list[uuid.UUID]:
+        return sorted({run.token for run in runs})
+
+    def _execute(self, statement: sql.Statement) -> Any:
+        """One statement in a short transaction of its own, on a connection of the pool."""
+        with self.dialect.claim_connection(self.engine) as conn:
+            self.dialect.begin_claim(conn)
+            try:
+                result = conn.execute(*statement)
+                conn.commit()
+            except BaseException:
+                rollback_quietly(conn)
+                raise
+            return result
+
+    def _beat(self) -> None:
+        """Renew every lease of the worker in one statement; tell the handlers of leases
+        found gone (another run took them) or with a cancel request to stop."""
+        runs = [run for run in self._running() if run.state != "ending"]
+        if not runs:
+            return
+        ids = [run.job_id for run in runs]
+        tokens = self._tokens(runs)
+        now = self.now()
+        with self.dialect.claim_connection(self.engine) as conn:
+            self.dialect.begin_claim(conn)
+            try:
+                conn.execute(*sql.renew_leases(ids, tokens, now, now + self._lease))
+                rows = conn.execute(*sql.leases_held(ids, tokens)).tuples().all()
+                held: dict[uuid.UUID, datetime | None] = dict(rows)
+                conn.commit()
+            except BaseException:
+                rollback_quietly(conn)
+                raise
+        for run in runs:
+            if run.job_id not in held:
+                if run.state != "ending" and run.signal.request("lease-lost"):
+                    self._forget(run)
+            elif held[run.job_id] is not None:
+                run.signal.request("cancelled")
+
+    def _time_out(self) -> None:
+        """Fail the jobs running longer than job_timeout, now; their handlers are asked to
+        stop, and what they write from then on is discarded."""
+        timeout = self.settings.job_timeout
+        assert timeout is not None
+        now = time.monotonic()
+        for run in self._running():
+            if run.state != "running" or now - run.started < timeout:
+                continue
+            if not run.begin_ending():
+                continue
+            run.signal.request("timed-out")
+            error = JobTimeoutError(run.job_id, timeout)
+            log_event(logging.WARNING, "job-timed-out", **self._fields(run.job), seconds=timeout)
+            context = run.context
+            assert context is not None
+            try:
+                outcome, failure = self._failed(run, None, context, error)
+            finally:
+                self._forget(run)
+            if outcome is not None:
+                self._finished(run.job, outcome, failure)
+
+
+def check_lease_settings(
+    lease_seconds: object, heartbeat_interval: object, job_timeout: object
+) -> None:
+    """Refuse lease settings that cannot work, saying what to give instead."""
+    for name, value in (
+        ("lease_seconds", lease_seconds),
+        ("heartbeat_interval", heartbeat_interval),
+        ("job_timeout", job_timeout),
+    ):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise _settings_error(f"{name} is {value!r}; give a number of seconds > 0")
+    if lease_seconds is None:
+        others = (("heartbeat_interval", heartbeat_interval), ("job_timeout", job_timeout))
+        for name, value in others:
+            if value is not None:
+                raise _settings_error(
+                    f"{name} needs lease mode: give lease_seconds too (a job's lease, say "
+                    "60), so that jobs run with no transaction open and can be timed out"
+                )
+        return
+    assert isinstance(lease_seconds, int | float)
+    if isinstance(heartbeat_interval, int | float) and not heartbeat_interval < lease_seconds:
+        raise _settings_error(
+            f"heartbeat_interval ({heartbeat_interval}) must be shorter than lease_seconds "
+            f"({lease_seconds}), or every lease expires before it is renewed: leave it out "
+            "(lease_seconds / 3) or make it smaller"
+        )
+
+
+def _settings_error(message: str) -> ConfigurationError:
+    return ConfigurationError(message)
+
+
+def new_runner(
+    engine: Engine,
+    settings: RunSettings,
+    on_outcome: Callable[[Outcome], None] | None = None,
+    stopping: Callable[[], bool] | None = None,
+    **units: Any,
+) -> JobRunner | LeaseRunner:
+    """The runner of the settings' mode: lease mode with ``lease_seconds``, else transaction
+    mode."""
+    kind = LeaseRunner if settings.lease_seconds is not None else JobRunner
+    return kind(engine, settings, on_outcome, stopping, **units)

@@ -1,0 +1,262 @@
+"""What both ways of running a job share: its settings, the handler's context and call, the
+retry decision, and the outcome's count and failed-job handler.
+
+A job runs in one of two modes, each a runner of its own: the transaction mode
+(``execution.JobRunner``: the handler runs inside the transaction that claimed the job) and the
+lease mode (``leases.LeaseRunner``: the claim commits a lease at once, and the handler runs
+with no transaction open). Both are used by the threaded and the asyncio worker alike.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+from sqlalchemy import Connection, Engine
+from sqlalchemy.orm import Session
+
+from sqla_proletarian import ledger
+from sqla_proletarian import statements as sql
+from sqla_proletarian.dialects import dialect_of
+from sqla_proletarian.errors import PayloadDeserializationError, ProletarianError
+from sqla_proletarian.handlers import JobContext, StopSignal
+from sqla_proletarian.logs import log_event
+from sqla_proletarian.retry import RetryStrategy, as_retry_strategy
+from sqla_proletarian.serialization import Serializer
+from sqla_proletarian.values import Clock, check_aware
+
+Outcome = Literal["succeeded", "retried", "failed"]
+RetryStrategyFn = Callable[[JobContext, Exception], RetryStrategy | None]
+FailedJobHandler = Callable[[JobContext, Exception], object]
+Failure = tuple[JobContext, Exception]
+
+#: Longest error text kept in the archive.
+MAX_ERROR_TEXT = 4000
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What a runner needs to know, taken from the worker options."""
+
+    queue: str
+    handler: Callable[..., Any]
+    handler_mode: Literal["default", "advanced"]
+    retry_strategy: RetryStrategyFn | None
+    failed_job_handler: FailedJobHandler | None
+    serializer: Serializer
+    clock: Clock
+    worker_id: str
+    max_unclean_ends: int | None
+    #: Jobs claimed in one transaction (SQLite: always 1).
+    batch_size: int = 1
+    #: Seconds a run record's owner must stay gone before its run counts (``ledger``).
+    reconnect_grace: float = ledger.OWNER_GRACE
+    #: Lease mode: seconds a claim's lease lasts unless renewed (None: transaction mode).
+    lease_seconds: float | None = None
+    #: Lease mode: seconds between a worker's renewals of its leases.
+    heartbeat_interval: float | None = None
+    #: Lease mode: seconds a job may run before it fails with JobTimeoutError.
+    job_timeout: float | None = None
+
+
+def describe(exc: BaseException) -> str:
+    """The archive's error text: the exception type, message and where it was raised."""
+    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    frames = traceback.extract_tb(exc.__traceback__)
+    if frames:
+        last = frames[-1]
+        text += f"\n  at {last.filename}:{last.lineno} in {last.name}"
+    return text[:MAX_ERROR_TEXT]
+
+
+class RunnerBase:
+    """The parts of a runner that do not depend on how the job is held.
+
+    ``stopping`` says whether the worker is stopping: once it does, no handler starts. The
+    asyncio worker runs a runner in greenlets of one thread: it gives locks and a sleep that
+    let the event loop run while a task waits (``new_lock``, ``sleep``), and names its tasks
+    (``unit_name``).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        settings: RunSettings,
+        on_outcome: Callable[[Outcome], None] | None = None,
+        stopping: Callable[[], bool] | None = None,
+        *,
+        new_lock: Callable[[], AbstractContextManager[Any]] = threading.Lock,
+        unit_name: Callable[[], str] = lambda: threading.current_thread().name,
+        sleep: Callable[[float], object] = time.sleep,
+    ) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.dialect = dialect_of(engine)
+        self._on_outcome = on_outcome
+        self._stopping = stopping or (lambda: False)
+        self._new_lock = new_lock
+        self._unit_name = unit_name
+        self._sleep = sleep
+
+    def now(self) -> datetime:
+        return check_aware("clock()", self.settings.clock())
+
+    def _any_due(self, conn: Connection) -> bool:
+        """Whether a job of the queue is due, read without taking the write lock."""
+        due = sql.due_job(self.settings.queue, self.now(), self.dialect.priority_scan)
+        return read_alone(conn, due) is not None
+
+    def _commits(self, conn: Connection) -> int:
+        """SQLite's count of other connections' commits to the file, as seen from ``conn``."""
+        row = read_alone(conn, sql.data_version())
+        assert row is not None
+        return int(row[0])
+
+    # --- the handler ----------------------------------------------------------------------
+
+    def _payload(self, job: dict[str, Any]) -> tuple[Any, PayloadDeserializationError | None]:
+        """The job's decoded payload, or its stored text and why it could not be decoded."""
+        try:
+            return self.settings.serializer.loads(job["payload"]), None
+        except Exception as exc:
+            return job["payload"], PayloadDeserializationError(job["job_id"], str(exc))
+
+    def _context(
+        self,
+        job: dict[str, Any],
+        payload: Any,
+        session: Session,
+        cancel_requested: StopSignal | None = None,
+    ) -> JobContext:
+        return JobContext(
+            job_id=job["job_id"],
+            queue=job["queue"],
+            job_type=job["job_type"],
+            payload=payload,
+            attempts=job["attempts"] + 1,
+            enqueued_at=job["enqueued_at"],
+            # A leased job's process_at is its lease's expiry; due_at is its own.
+            process_at=job.get("due_at") or job["process_at"],
+            session=session,
+            cancel_requested=cancel_requested or StopSignal(),
+        )
+
+    def _call_handler(self, context: JobContext) -> None:
+        if self.settings.handler_mode == "advanced":
+            result = self.settings.handler(context)
+        else:
+            result = self.settings.handler(context.job_type, context.payload)
+        if inspect.isawaitable(result):
+            if inspect.iscoroutine(result):
+                result.close()
+            raise ProletarianError(
+                "the handler returned an awaitable, so its work never ran: handlers must be "
+                "plain functions (wrap async code with asyncio.run)"
+            )
+        if inspect.isgenerator(result):
+            result.close()
+        if inspect.isgenerator(result) or inspect.isasyncgen(result):
+            raise ProletarianError(
+                "the handler returned a generator, so its body never ran: handlers must be "
+                "plain functions, not generators"
+            )
+
+    # --- the outcome ----------------------------------------------------------------------
+
+    def _retry_at(
+        self, job: dict[str, Any], context: JobContext, exc: Exception
+    ) -> tuple[datetime | None, int]:
+        """When a failed run's job runs again (None: it fails for good), and retries left."""
+        attempt = job["attempts"] + 1
+        fields = self._fields(job)
+        strategy = self._strategy(job, context, exc)
+        try:
+            left = strategy.retries_left(attempt) if strategy is not None else 0
+            retry_at = strategy.retry_at(attempt, self.now()) if strategy and left > 0 else None
+        except Exception as error:
+            # A delay beyond what a date can hold, or a clock that fails: no retry can be
+            # scheduled, so the job ends as failed with the reason.
+            log_event(
+                logging.ERROR,
+                "retry-strategy-error",
+                **fields,
+                error=repr(error),
+                hint="the retry could not be scheduled; the job is archived as failed",
+            )
+            return None, 0
+        if retry_at is None:
+            log_event(logging.INFO, "not-retrying", **fields)
+        return retry_at, left
+
+    def _strategy(
+        self, job: dict[str, Any], context: JobContext, exc: Exception
+    ) -> RetryStrategy | None:
+        if self.settings.retry_strategy is None:
+            return None
+        try:
+            return as_retry_strategy(self.settings.retry_strategy(context, exc))
+        except Exception as error:
+            log_event(
+                logging.ERROR,
+                "retry-strategy-error",
+                **self._fields(job),
+                error=repr(error),
+                hint="the retry strategy raised; the job is archived as failed",
+            )
+            return None
+
+    def _finished(self, job: dict[str, Any], outcome: Outcome, failure: Failure | None) -> None:
+        """After the commit: count the outcome and call the failed-job handler."""
+        if self._on_outcome is not None:
+            self._on_outcome(outcome)
+        if failure is None or self.settings.failed_job_handler is None:
+            return
+        context, exc = failure
+        try:
+            self.settings.failed_job_handler(context, exc)
+        except Exception as error:
+            log_event(
+                logging.ERROR,
+                "failed-job-handler-error",
+                **self._fields(job),
+                error=repr(error),
+                hint="the job stays archived as failed",
+            )
+
+    def _fields(self, job: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "worker_id": self.settings.worker_id,
+            "thread_name": self._unit_name(),
+            "job_id": job["job_id"],
+            "job_type": job["job_type"],
+            "queue": job["queue"],
+            "attempt": job["attempts"] + 1,
+        }
+
+
+def read_alone(conn: Connection, statement: sql.Statement) -> Any:
+    """The first row of one read on the claim's connection, in a transaction of its own."""
+    try:
+        row = conn.execute(*statement).first()
+        conn.rollback()
+    except BaseException:
+        rollback_quietly(conn)
+        raise
+    return row
+
+
+def rollback_quietly(conn: Connection) -> None:
+    """Roll back the claim's transaction; a dead connection has nothing left to roll back."""
+    try:
+        if conn.in_transaction() and not conn.invalidated:
+            conn.rollback()
+    except Exception as exc:
+        log_event(logging.DEBUG, "rollback-error", error=repr(exc))
