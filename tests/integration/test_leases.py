@@ -197,14 +197,16 @@ def test_job_session_writes_in_every_idiom_commit_with_the_completion_or_not_at_
             sp.enqueue_many(session, [(idiom, "keeps"), (idiom, "raises")])
         session.commit()
     visible_after_commit: list[int] = []
+    leased: list[bool] = []
 
     def handler(job: sp.JobContext) -> None:
+        leased.append(job_row(engine, job.job_id).lease_token is not None)
         write_note(job.session, job.job_type, job.payload)
         if job.job_type == "add-commit":
             with engine.connect() as conn:
                 visible_after_commit.append(
                     conn.execute(
-                        sa.select(sa.func.count()).where(Note.text.like("add-commit%"))
+                        sa.select(sa.func.count()).where(Note.text == f"add-commit {job.payload}")
                     ).scalar_one()
                 )
         if job.payload == "raises":
@@ -214,6 +216,7 @@ def test_job_session_writes_in_every_idiom_commit_with_the_completion_or_not_at_
     while sp.process_next_job(engine, handler, handler_mode="advanced", **LONG_LEASE):
         ran += 1
     assert ran == 2 * len(IDIOMS)
+    assert leased == [True] * ran, "each job ran under a lease"
     expected = sorted([*(f"{idiom} keeps" for idiom in IDIOMS), "seed"])
     assert notes(engine) == expected
     outcomes = {(a.job_type, a.status) for a in archived(engine)}
@@ -404,6 +407,7 @@ def test_stop_past_its_timeout_releases_the_lease_for_another_worker_at_once(
     worker.start()
     try:
         assert started.wait(10)
+        assert job_row(engine, job_id).lease_token is not None
         worker.stop()
         released = job_row(engine, job_id)
         assert released.lease_token is None

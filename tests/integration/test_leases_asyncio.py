@@ -139,8 +139,12 @@ def test_async_job_session_writes_in_every_idiom_commit_with_the_completion_or_n
             sp.enqueue_many(session, [(idiom, "keeps"), (idiom, "raises")])
         session.commit()
 
+    leased: list[bool] = []
+
     async def handler(job: sp.AsyncJobContext) -> None:
         assert isinstance(job.session, AsyncSession)
+        row = await asyncio.to_thread(job_row, engine, job.job_id)
+        leased.append(row.lease_token is not None)
         await write_note(job.session, job.job_type, job.payload)
         if job.payload == "raises":
             raise RuntimeError("after writing")
@@ -155,6 +159,7 @@ def test_async_job_session_writes_in_every_idiom_commit_with_the_completion_or_n
             assert await eventually(lambda: count(engine, sp.ArchivedJob) == 2 * len(IDIOMS))
 
     asyncio.run(main())
+    assert leased == [True] * 2 * len(IDIOMS), "each job ran under a lease"
     assert notes(engine) == sorted([*(f"{idiom} keeps" for idiom in IDIOMS), "seed"])
     outcomes = {(a.job_type, a.status) for a in archived(engine)}
     assert outcomes == {(i, s) for i in IDIOMS for s in ("success", "failure")}
@@ -223,7 +228,7 @@ def test_async_stop_past_its_timeout_releases_the_lease_for_another_worker_at_on
     job_id = enqueue_committed(engine, "stuck")
     due = job_row(engine, job_id).process_at
 
-    async def main() -> Any:
+    async def main() -> tuple[Any, Any]:
         started = asyncio.Event()
         runs: list[int] = []
 
@@ -247,15 +252,17 @@ def test_async_stop_past_its_timeout_releases_the_lease_for_another_worker_at_on
             )
             await worker.start()
             await asyncio.wait_for(started.wait(), 10)
+            leased = await asyncio.to_thread(job_row, engine, job_id)
             await worker.stop()
             released = await asyncio.to_thread(job_row, engine, job_id)
             async with sp.create_async_queue_worker(
                 worker_engine, handler, handler_mode="advanced", **LONG_LEASE
             ):
                 assert await eventually(lambda: archived_job(engine, job_id) is not None, 5)
-        return released
+        return leased, released
 
-    released = asyncio.run(main())
+    leased, released = asyncio.run(main())
+    assert leased.lease_token is not None, "the job ran under a lease"
     assert released.lease_token is None
     assert released.process_at == due
     assert released.unclean_ends == 0
