@@ -140,11 +140,14 @@ def test_a_worker_frozen_past_its_lease_commits_nothing_once_it_wakes_up(
     engine: sa.Engine, workers: Workers, tmp_path: Path
 ) -> None:
     """SIGSTOP a worker mid-job past its lease; another worker takes the job and finishes it;
-    SIGCONT: the frozen run's handler returns, but its completion finds the lease gone and
-    its write never commits. The archive has one row, the second run's."""
+    SIGCONT: the frozen worker's heartbeat finds the lease lost and sets the handler's
+    cancel_requested; the handler returns, but its completion finds the lease gone and its
+    write never commits. The archive has one row, the second run's."""
     hold = tmp_path / "hold"
     job_id = enqueue_committed(engine, "hang")
-    frozen = workers.start("--hang-type", "hang", "--hold-file", str(hold), "--signals")
+    frozen = workers.start(
+        *("--hang-type", "hang", "--hold-file", str(hold), "--await-cancel", "10", "--signals")
+    )
     assert wait_for(lambda: workers.started(job_id, frozen) is not None, 30)
     os.kill(frozen.pid, signal.SIGSTOP)
     try:
@@ -156,6 +159,7 @@ def test_a_worker_frozen_past_its_lease_commits_nothing_once_it_wakes_up(
     finally:
         os.kill(frozen.pid, signal.SIGCONT)
     assert wait_for(lambda: workers.ended(job_id, frozen), 30), "the frozen run went on"
+    assert ["cancel", str(job_id), str(frozen.pid), "True"] in workers.events()
     frozen.send_signal(signal.SIGTERM)  # a graceful stop: the run's completion ends first
     _, stderr = frozen.communicate(timeout=30)
     assert frozen.returncode == -signal.SIGTERM, stderr

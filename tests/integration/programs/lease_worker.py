@@ -2,11 +2,14 @@
 
     python lease_worker.py DATABASE_URL EVENTS_FILE --lease-seconds S
                            [--heartbeat-interval S] [--hang-type T] [--hold-file PATH]
-                           [--exit-after N] [--signals] [--max-unclean-ends N]
+                           [--await-cancel S] [--exit-after N] [--signals]
+                           [--max-unclean-ends N]
 
 The handler (advanced mode) appends ``start <job_id> <attempts> <pid>`` to EVENTS_FILE when
 a job starts and ``end <job_id> <pid>`` when it returns. Jobs of type ``--hang-type`` wait
-until ``--hold-file`` exists (at most a minute) before they go on. Every job writes the
+until ``--hold-file`` exists (at most a minute) before they go on; with ``--await-cancel S``
+they then wait up to S seconds for ``job.cancel_requested`` and append ``cancel <job_id>
+<pid> True|False``. Every job writes the
 note ``<job_id> <pid>`` to ``lease_notes`` through ``job.session``, after any wait, so a
 test can tell which run's writes committed. ``--exit-after N`` stops the worker and exits 0
 once N jobs have an outcome; with ``--signals`` SIGINT/SIGTERM stop it gracefully.
@@ -35,6 +38,7 @@ def main() -> int:
     parser.add_argument("--heartbeat-interval", type=float, default=None)
     parser.add_argument("--hang-type", default=None)
     parser.add_argument("--hold-file", type=Path, default=None)
+    parser.add_argument("--await-cancel", type=float, default=None)
     parser.add_argument("--exit-after", type=int, default=None)
     parser.add_argument("--signals", action="store_true")
     parser.add_argument("--max-unclean-ends", type=int, default=3)
@@ -52,6 +56,9 @@ def main() -> int:
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.02)
+            if args.await_cancel is not None:
+                asked = job.cancel_requested.wait(args.await_cancel)
+                record(f"cancel {job.job_id} {os.getpid()} {asked}")
         job.session.execute(sa.insert(NOTES).values(text=f"{job.job_id} {os.getpid()}"))
         record(f"end {job.job_id} {os.getpid()}")
 
