@@ -16,7 +16,9 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from helpers import archived, archived_job, enqueue_committed, jobs, wait_for
-from lease_helpers import Base, job_row, notes
+from lease_helpers import Base, Note, job_row, notes
+
+import sqla_proletarian as sp
 
 PROGRAM = Path(__file__).parent / "programs" / "lease_worker.py"
 LEASE = ("--lease-seconds", "1", "--heartbeat-interval", "0.2")
@@ -167,4 +169,41 @@ def test_a_worker_frozen_past_its_lease_commits_nothing_once_it_wakes_up(
     assert notes(engine) == [f"{job_id} {taker.pid}"], "the frozen run's write never committed"
     [done] = archived(engine)
     assert (done.job_id, done.status, done.attempts) == (job_id, "success", 2)
+    assert jobs(engine) == []
+
+
+def test_a_transaction_mode_worker_takes_over_an_expired_lease_counting_the_killed_run(
+    engine: sa.Engine, workers: Workers
+) -> None:
+    """Any worker's ordinary poll rescues an expired lease, a transaction-mode one too: the
+    killed run counts as one unclean end and, its claim having counted it, one attempt (the
+    handler sees attempts 2); a retry after it clears the lease, so with max_unclean_ends 2
+    the job is not taken for crashed, and the archive counts the three runs."""
+    job_id = enqueue_committed(engine, "hang")
+    first = workers.start("--hang-type", "hang")
+    assert wait_for(lambda: workers.started(job_id, first) is not None, 30)
+    os.kill(first.pid, signal.SIGKILL)
+    assert first.wait(10) == -signal.SIGKILL
+    runs: list[int] = []
+
+    def handler(job: sp.JobContext) -> None:
+        runs.append(job.attempts)
+        job.session.execute(sa.insert(Note).values(text=f"run {len(runs)}"))
+        if len(runs) == 1:
+            raise RuntimeError("fails once")
+
+    options: dict[str, Any] = {
+        "handler_mode": "advanced",
+        "max_unclean_ends": 2,
+        "retry_strategy": lambda job, exc: sp.RetryStrategy(retries=2, delays=[0]),
+    }
+    assert wait_for(lambda: sp.process_next_job(engine, handler, **options), 30)
+    retried = job_row(engine, job_id)
+    assert retried is not None, (runs, archived(engine))
+    assert retried.lease_token is None
+    assert sp.process_next_job(engine, handler, **options)
+    assert runs == [2, 3]
+    done = archived_job(engine, job_id)
+    assert done is not None and (done.status, done.attempts) == ("success", 3)
+    assert notes(engine) == ["run 2"]
     assert jobs(engine) == []

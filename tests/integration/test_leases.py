@@ -423,6 +423,36 @@ def test_stop_past_its_timeout_releases_the_lease_for_another_worker_at_once(
     assert (done.job_id, done.status) == (job_id, "success")
 
 
+def test_stop_lets_a_leased_job_that_finishes_within_the_timeout_complete(
+    engine: sa.Engine,
+) -> None:
+    """A job that ends while stop() waits completes as usual: its write commits with its
+    archive row, and it is neither released nor asked to stop."""
+    job_id = enqueue_committed(engine, "short")
+    started, release = threading.Event(), threading.Event()
+    seen: list[bool] = []
+
+    def handler(job: sp.JobContext) -> None:
+        started.set()
+        release.wait(10)
+        seen.append(job.cancel_requested.is_set())
+        job.session.add(Note(text="finished"))
+
+    worker = sp.create_queue_worker(engine, handler, handler_mode="advanced", **LONG_LEASE)
+    worker.start()
+    assert started.wait(10)
+    stopping = threading.Thread(target=worker.stop)
+    stopping.start()
+    release.set()
+    stopping.join(15)
+    assert not stopping.is_alive() and not worker.running
+    assert seen == [False]
+    done = archived_job(engine, job_id)
+    assert done is not None and (done.status, done.attempts) == ("success", 1)
+    assert notes(engine) == ["finished"]
+    assert jobs(engine) == []
+
+
 # --- both modes on one queue ---------------------------------------------------------------
 
 
