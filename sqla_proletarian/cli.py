@@ -300,6 +300,9 @@ def worker(args: argparse.Namespace) -> int:
         "polling_interval": args.polling_interval,
         "handler_mode": args.handler_mode,
         "reconnect_grace": args.reconnect_grace,
+        "lease_seconds": args.lease_seconds,
+        "heartbeat_interval": args.heartbeat_interval,
+        "job_timeout": args.job_timeout,
     }
     if args.process_index is not None:
         options["worker_id"] = f"proletarian[{args.queue}]#{args.process_index}"
@@ -343,11 +346,19 @@ def _supervise(args: argparse.Namespace, url: URL) -> int:
         *("--batch-size", str(args.batch_size)),
         *("--polling-interval", repr(args.polling_interval)),
         *("--reconnect-grace", repr(args.reconnect_grace)),
+        *_given("--lease-seconds", args.lease_seconds),
+        *_given("--heartbeat-interval", args.heartbeat_interval),
+        *_given("--job-timeout", args.job_timeout),
         *("--handler-mode", args.handler_mode, "--log-level", args.log_level or "info"),
         *(["--burst"] if args.burst else []),
     ]
     env = {**os.environ, "DATABASE_URL": url.render_as_string(hide_password=False)}
     return Supervisor(worker_args, args.processes, burst=args.burst, env=env).run()
+
+
+def _given(option: str, value: float | None) -> list[str]:
+    """A worker option for the processes' command lines, if it was given."""
+    return [] if value is None else [option, repr(value)]
 
 
 def enqueue_job(args: argparse.Namespace) -> int:
@@ -582,6 +593,27 @@ WORKER_ARGUMENTS = (
         metavar="S",
         help="seconds a run's worker must stay gone from the database before the run counts "
         f"as an unclean end and its job runs again ({DEFAULT_RECONNECT_GRACE:g})",
+    ),
+    arg(
+        "--lease-seconds",
+        type=float,
+        metavar="S",
+        help="lease mode: claim each job under a lease of S seconds, renewed by a heartbeat, "
+        "and run its handler with no transaction open (for long jobs); a dead worker's job "
+        "runs again once its lease expires",
+    ),
+    arg(
+        "--heartbeat-interval",
+        type=float,
+        metavar="S",
+        help="lease mode: seconds between renewals of the worker's leases (lease / 3)",
+    ),
+    arg(
+        "--job-timeout",
+        type=float,
+        metavar="S",
+        help="lease mode: fail (and retry per the retry strategy) a job still running after "
+        "S seconds, asking its handler to stop",
     ),
     arg(
         "--handler-mode",

@@ -571,6 +571,7 @@ def lease(
     return _LEASE, {"ids": job_ids, "token": token, "owner": owner, "now": now, "expiry": expiry}
 
 
+_LOCK_LEASES = select(JOB.c.job_id).where(*_HELD).with_for_update(skip_locked=True)
 _RENEW = (
     update(JOB)
     .where(*_HELD)
@@ -582,10 +583,16 @@ _RENEW = (
 _STILL_HELD = select(JOB.c.job_id, JOB.c.cancel_requested_at).where(*_HELD)
 
 
+def lock_leases(job_ids: list[uuid.UUID], tokens: list[uuid.UUID]) -> Statement:
+    """Lock the worker's leases it can renew now, skipping rows another transaction holds
+    (a cancel request being written, a claim of an expired lease): a heartbeat never waits."""
+    return _LOCK_LEASES, {"ids": job_ids, "tokens": tokens}
+
+
 def renew_leases(
     job_ids: list[uuid.UUID], tokens: list[uuid.UUID], now: datetime, expiry: datetime
 ) -> Statement:
-    """Move the worker's leases' expiry on (a heartbeat); a lease another run took is left."""
+    """Move the expiry of leases the heartbeat locked on (a lease another run took is left)."""
     return _RENEW, {"ids": job_ids, "tokens": tokens, "now": now, "expiry": expiry}
 
 

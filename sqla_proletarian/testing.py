@@ -23,7 +23,7 @@ from sqla_proletarian.errors import (
     PayloadDeserializationError,
     ProletarianError,
 )
-from sqla_proletarian.execution import JobRunner
+from sqla_proletarian.leases import new_runner
 from sqla_proletarian.models import Job
 from sqla_proletarian.running import Outcome
 from sqla_proletarian.serialization import DEFAULT_SERIALIZER, Serializer
@@ -107,9 +107,11 @@ def drain(
         runs += 1
 
     settings = WorkerOptions.from_kwargs(worker_options).run_settings(limited)
-    runner = JobRunner(engine, settings, count)
+    runner = new_runner(engine, settings, count)
     try:
-        with runner.open_connections() as connections:
+        runner.start_keeping_owner()
+        opened: Any = runner.open_connections()
+        with opened as connections:
             while runner.process_one(connections):
                 pass
     except _LimitReached:
