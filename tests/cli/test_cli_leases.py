@@ -6,8 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import pytest
 from cli_support import archived, assert_one_line_error, cli, url_of
+
+import sqla_proletarian as sp
 
 if TYPE_CHECKING:
     from conftest import Database
@@ -34,23 +35,26 @@ def handler(job):
 """
 
 
-@pytest.mark.parametrize("processes", ["1", "2"])
 def test_the_worker_command_runs_each_job_under_a_lease_with_lease_seconds(
-    database: Database, tmp_path: Path, processes: str
+    database: Database, tmp_path: Path
 ) -> None:
+    """Through --processes 2: the supervisor passes the lease options on to each worker
+    process, which parses them as the single-process command does."""
     url = url_of(database)
     (tmp_path / "lease_tasks.py").write_text(LEASE_TASKS)
-    job_ids = [cli("enqueue", "t", str(n), "--url", url).stdout.strip() for n in range(4)]
+    engine = database.engine()
+    with engine.begin() as conn:
+        job_ids = [str(sp.enqueue(conn, "t", n)) for n in range(4)]
     worked = cli(
         *("worker", "lease_tasks:handler", "--handler-mode", "advanced", "--burst"),
-        *("--lease-seconds", "60", "--processes", processes, "--url", url),
+        *("--lease-seconds", "60", "--processes", "2", "--url", url),
         cwd=tmp_path,
         LEASE_TEST_URL=url,
     )
     assert worked.returncode == 0, worked.stderr
     noted = sorted((tmp_path / "leases.log").read_text().splitlines())
     assert noted == sorted(f"{job_id} True" for job_id in job_ids)
-    done = archived(database.engine())
+    done = archived(engine)
     assert sorted(str(job_id) for job_id in done) == sorted(job_ids)
     assert {row.status for row in done.values()} == {"success"}
 

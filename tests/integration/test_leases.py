@@ -5,6 +5,7 @@ lease), and cancel, job_timeout and stop reach a running job through ``cancel_re
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -15,7 +16,16 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from helpers import archived, archived_job, count, enqueue_committed, jobs, running, wait_for
+from helpers import (
+    archived,
+    archived_job,
+    count,
+    enqueue_committed,
+    events,
+    jobs,
+    running,
+    wait_for,
+)
 from lease_helpers import JOB, Base, Note, held_by_others, job_row, notes
 from sqlalchemy.orm import Session
 
@@ -282,11 +292,13 @@ def test_a_run_whose_lease_another_worker_took_commits_nothing_and_the_job_is_ar
 
 
 def test_cancel_job_on_a_running_leased_job_cancels_it_and_rolls_back_its_writes(
-    engine: sa.Engine,
+    engine: sa.Engine, caplog: pytest.LogCaptureFixture
 ) -> None:
     """cancel_job returns True for a job under a live lease; the next heartbeat sets the
     handler's cancel_requested; whatever the handler then returns, the job is archived as
-    cancelled, its session's writes roll back, and it never runs again."""
+    cancelled, its session's writes roll back, and it never runs again. The worker logs
+    the cancel, not a lost lease."""
+    caplog.set_level(logging.INFO, logger="sqla_proletarian")
     job_id = enqueue_committed(engine, "cancel-me")
     started = threading.Event()
     seen: list[bool] = []
@@ -312,6 +324,8 @@ def test_cancel_job_on_a_running_leased_job_cancels_it_and_rolls_back_its_writes
     assert jobs(engine) == []
     assert notes(engine) == []
     assert not sp.process_next_job(engine, handler, handler_mode="advanced", **LONG_LEASE)
+    assert [r.job_id for r in events(caplog.records, "job-cancelled")] == [job_id]
+    assert events(caplog.records, "lease-lost") == [], "a cancel is no lost lease"
 
 
 def test_job_timeout_fails_the_run_which_is_retried_then_reaches_the_failed_job_handler(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from helpers import archived, archived_job, count, enqueue_committed, jobs
+from helpers import archived, archived_job, count, enqueue_committed, events, jobs
 from lease_helpers import Base, Note, held_by_others, job_row, notes
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
@@ -167,11 +168,13 @@ def test_async_job_session_writes_in_every_idiom_commit_with_the_completion_or_n
 
 
 def test_cancel_job_on_a_running_async_leased_job_cancels_its_task_and_rolls_back(
-    database: Any, engine: sa.Engine, async_url: URL
+    database: Any, engine: sa.Engine, async_url: URL, caplog: pytest.LogCaptureFixture
 ) -> None:
     """cancel_job returns True; the handler's task is cancelled (its cancel_requested set),
     the job is archived as cancelled and its session's writes (on the servers, made before
-    it waited: on SQLite they would hold the write lock) roll back."""
+    it waited: on SQLite they would hold the write lock) roll back. The worker logs the
+    cancel, not a lost lease."""
+    caplog.set_level(logging.INFO, logger="sqla_proletarian")
     job_id = enqueue_committed(engine, "cancel-me")
 
     async def main() -> list[str]:
@@ -217,6 +220,8 @@ def test_cancel_job_on_a_running_async_leased_job_cancels_its_task_and_rolls_bac
     assert done is not None and done.status == "cancelled"
     assert notes(engine) == []
     assert jobs(engine) == []
+    assert [r.job_id for r in events(caplog.records, "job-cancelled")] == [job_id]
+    assert events(caplog.records, "lease-lost") == [], "a cancel is no lost lease"
 
 
 def test_async_stop_past_its_timeout_releases_the_lease_for_another_worker_at_once(
@@ -269,3 +274,15 @@ def test_async_stop_past_its_timeout_releases_the_lease_for_another_worker_at_on
     assert notes(engine) == ["second run"]
     [done] = archived(engine)
     assert (done.job_id, done.status) == (job_id, "success")
+
+
+def test_create_async_queue_worker_refuses_job_timeout_without_lease_seconds(
+    async_url: URL,
+) -> None:
+    async def main() -> None:
+        async with async_engine(async_url) as worker_engine:
+            with pytest.raises(sp.ConfigurationError, match="lease_seconds") as refused:
+                sp.create_async_queue_worker(worker_engine, lambda job: None, job_timeout=5.0)
+            assert "unknown" not in str(refused.value)
+
+    asyncio.run(main())
