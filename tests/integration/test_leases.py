@@ -467,6 +467,51 @@ def test_stop_lets_a_leased_job_that_finishes_within_the_timeout_complete(
     assert jobs(engine) == []
 
 
+def test_stop_past_its_timeout_releases_the_lease_of_a_handler_that_wrote_before_it_stuck(
+    engine: sa.Engine,
+) -> None:
+    """The stuck handler has written through job.session (its transaction is open: on
+    SQLite it holds the write lock): stop() still releases its lease at once, with no
+    unclean end, and the stuck run's write never commits."""
+    job_id = enqueue_committed(engine, "stuck")
+    started, release = threading.Event(), threading.Event()
+    runs: list[str] = []
+
+    def handler(job: sp.JobContext) -> None:
+        runs.append(threading.current_thread().name)
+        if len(runs) == 1:
+            job.session.add(Note(text="stuck run"))
+            job.session.flush()
+            started.set()
+            release.wait(10)
+        else:
+            job.session.add(Note(text="second run"))
+
+    worker = sp.create_queue_worker(
+        engine,
+        handler,
+        handler_mode="advanced",
+        worker_id="stuck-writer",
+        await_termination_timeout=0.2,
+        **LONG_LEASE,
+    )
+    worker.start()
+    try:
+        assert started.wait(10)
+        worker.stop()
+        released = job_row(engine, job_id)
+        assert (released.lease_token, released.unclean_ends) == (None, 0)
+        assert sp.process_next_job(engine, handler, handler_mode="advanced", **LONG_LEASE)
+    finally:
+        release.set()
+    assert wait_for(
+        lambda: not any(t.name.startswith("stuck-writer-") for t in threading.enumerate())
+    )
+    assert notes(engine) == ["second run"]
+    [done] = archived(engine)
+    assert (done.job_id, done.status) == (job_id, "success")
+
+
 # --- both modes on one queue ---------------------------------------------------------------
 
 
