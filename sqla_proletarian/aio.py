@@ -197,18 +197,6 @@ def _settle(result: Any) -> Any:
         ) from exc
 
 
-async def _stoppable(result: Any, signal: threading.Event | None) -> Any:
-    """Await a handler's result in a task of its own, cancelled when the worker asks the
-    handler to stop (``job.cancel_requested``: lease mode's cancel, timeout, lost lease)."""
-    if not inspect.isawaitable(result):
-        return result
-    task = asyncio.ensure_future(result)
-    if isinstance(signal, StopSignal):
-        loop = asyncio.get_running_loop()
-        signal.add_callback(lambda: loop.call_soon_threadsafe(task.cancel))
-    return await task
-
-
 def _async_event(signal: threading.Event) -> asyncio.Event:
     """An asyncio.Event set when the run's stop signal is (from any thread)."""
     event = asyncio.Event()
@@ -281,6 +269,8 @@ class AsyncQueueWorker:
         self._listener: _Listener | None = None
         self._exception: BaseException | None = None
         self._keeper: asyncio.Task[None] | None = None
+        #: Lease mode: the tasks running handlers (a handler's stop() only asks for it).
+        self._handler_tasks: set[asyncio.Future[Any]] = set()
 
     def _settings(self, settings: RunSettings) -> RunSettings:
         """The run settings with the user's functions wrapped: advanced-mode handlers and the
@@ -288,10 +278,10 @@ class AsyncQueueWorker:
         handler = settings.handler
 
         def run_advanced(job: JobContext) -> Any:
-            return _settle(_stoppable(handler(self._context(job)), job.cancel_requested))
+            return _settle(self._stoppable(handler(self._context(job)), job.cancel_requested))
 
         def run_default(job_type: str, payload: Any) -> Any:
-            return _settle(_stoppable(handler(job_type, payload), RUNNING_SIGNAL.get()))
+            return _settle(self._stoppable(handler(job_type, payload), RUNNING_SIGNAL.get()))
 
         return dataclasses.replace(
             settings,
@@ -299,6 +289,19 @@ class AsyncQueueWorker:
             retry_strategy=self._callback(settings.retry_strategy),
             failed_job_handler=self._callback(settings.failed_job_handler),
         )
+
+    def _stoppable(self, result: Any, signal: threading.Event | None) -> Any:
+        """Lease mode: a handler's result awaited in a task of its own, cancelled when the
+        worker asks the handler to stop (cancel, timeout, lost lease, a stop that gave up)."""
+        if not isinstance(self._runner, LeaseRunner) or not inspect.isawaitable(result):
+            return result
+        task = asyncio.ensure_future(result)
+        self._handler_tasks.add(task)
+        task.add_done_callback(self._handler_tasks.discard)
+        if isinstance(signal, StopSignal):
+            loop = asyncio.get_running_loop()
+            signal.add_callback(lambda: loop.call_soon_threadsafe(task.cancel))
+        return task
 
     def _callback(self, function: Callable[..., Any] | None) -> Callable[..., Any] | None:
         """A retry strategy or failed-job handler, called with the run's AsyncJobContext."""
@@ -383,7 +386,7 @@ class AsyncQueueWorker:
         """
         shutdown = self._begin_shutdown()
         current = asyncio.current_task()
-        if current is shutdown or current in self._tasks:
+        if current is shutdown or current in self._tasks or current in self._handler_tasks:
             return
         await asyncio.shield(shutdown)
 

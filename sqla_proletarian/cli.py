@@ -39,7 +39,7 @@ from sqla_proletarian.errors import (
     driver_error,
 )
 from sqla_proletarian.handlers import JobHandlers
-from sqla_proletarian.inspection import DEFAULT_FAILED_LIMIT, failed_jobs, queue_status
+from sqla_proletarian.inspection import DEFAULT_FAILED_LIMIT, failed_jobs, get_job, queue_status
 from sqla_proletarian.maintenance import install_tables, prune_archive, retry_failed_report
 from sqla_proletarian.models import DEFAULT_QUEUE
 from sqla_proletarian.supervisor import (
@@ -498,10 +498,19 @@ def cancel(args: argparse.Namespace) -> int:
     (job_id,) = _uuids([args.job_id])
     with _database(args) as engine, engine.begin() as conn:
         cancelled = cancel_job(conn, job_id)
+        # A job under a live lease stays in the queue until its worker stops it.
+        still = get_job(conn, job_id) if cancelled else None
+        requested = still is not None and still.state == "running"
     if not cancelled:
         _error("cancel", f"job {job_id} was not cancelled: it is not queued, or it is running")
         return EXIT_FAILURE
-    print(f"job {job_id} cancelled (archived as cancelled)")
+    if requested:
+        print(
+            f"job {job_id} cancel requested (running under a lease; its worker stops it "
+            "within a heartbeat)"
+        )
+    else:
+        print(f"job {job_id} cancelled (archived as cancelled)")
     return EXIT_OK
 
 
@@ -757,11 +766,13 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command(
         "cancel",
-        "cancel a queued job that no worker is running (archived as cancelled)",
+        "cancel a queued job that no worker is running (archived as cancelled), or ask the "
+        "worker running it under a lease to stop it",
         f"{PROG} cancel 0b3f4c1e-8a52-4d3e-9a57-2f1f6c1d2e3a",
         (arg("job_id", metavar="JOB_ID"),),
         cancel,
-        "exit status: 0 cancelled; 1 not cancelled (not queued, or running right now)",
+        "exit status: 0 cancelled or cancel requested; 1 not cancelled (not queued, or "
+        "running right now in transaction mode)",
     ),
     Command(
         "prune",

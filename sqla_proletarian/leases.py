@@ -706,8 +706,8 @@ class LeaseRunner(RunnerBase):
                 free = list(conn.execute(*sql.lock_leases(ids, tokens)).scalars())
                 if free:
                     conn.execute(*sql.renew_leases(free, tokens, now, now + self._lease))
-                rows = conn.execute(*sql.leases_held(ids, tokens)).tuples().all()
-                held: dict[uuid.UUID, datetime | None] = dict(rows)
+                rows = conn.execute(*sql.leases_held(ids, tokens)).all()
+                held: dict[uuid.UUID, datetime | None] = {row[0]: row[1] for row in rows}
                 conn.commit()
             except BaseException:
                 rollback_quietly(conn)
