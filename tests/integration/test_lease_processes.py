@@ -101,6 +101,11 @@ def test_a_sigkilled_workers_job_runs_again_once_its_lease_expires_with_one_uncl
     assert first.wait(10) == -signal.SIGKILL
     left = job_row(engine, job_id)
     assert left.lease_token is not None and left.attempts == 1
+    # Once the lease has expired, the job shows as ready again, its lease expired.
+    assert wait_for(lambda: sp.get_job(engine, job_id).state == "ready", 30)
+    assert sp.get_job(engine, job_id).lease_expired
+    [status] = sp.queue_status(engine)
+    assert (status.ready, status.running, status.expired_leases) == (1, 0, 1)
 
     second = workers.start("--hang-type", "hang", "--hold-file", str(hold), "--exit-after", "1")
     assert wait_for(lambda: workers.started(job_id, second) is not None, 30)

@@ -114,7 +114,7 @@ def test_a_leased_job_carries_its_lease_which_its_heartbeats_renew(
     """While it runs the row holds the lease (token, owner ``worker_id@host:pid/thread``,
     heartbeat, its own due time in due_at, process_at the lease's expiry, attempts counting
     this run); heartbeats move the expiry on, so past the first expiry no other worker
-    (lease or transaction mode) takes the job."""
+    (lease or transaction mode) takes the job. queue_status and get_job show it running."""
     job_id = enqueue_committed(engine, "long")
     due = job_row(engine, job_id).process_at
     started, release = threading.Event(), threading.Event()
@@ -142,6 +142,16 @@ def test_a_leased_job_carries_its_lease_which_its_heartbeats_renew(
             assert first.heartbeat_at is not None
             assert first.heartbeat_at <= sp.utc_now() < first.process_at
             assert first.process_at <= first.heartbeat_at + timedelta(seconds=1.5)
+            [status] = sp.queue_status(engine)
+            assert (status.ready, status.scheduled, status.running) == (0, 0, 1)
+            shown = sp.get_job(engine, job_id)
+            assert shown is not None
+            assert (shown.state, shown.process_at, shown.owner) == (
+                "running",
+                due,
+                first.lease_owner,
+            )
+            assert not shown.lease_expired
 
             def renewed() -> bool:
                 row = job_row(engine, job_id)
