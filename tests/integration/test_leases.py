@@ -383,6 +383,26 @@ def test_job_timeout_fails_the_run_which_is_retried_then_reaches_the_failed_job_
     assert jobs(engine) == []
 
 
+def test_process_next_job_times_out_a_leased_job_in_the_calling_thread(
+    engine: sa.Engine,
+) -> None:
+    """process_next_job with job_timeout keeps a heartbeat while the handler runs: past the
+    timeout the handler's cancel_requested is set and the job fails with JobTimeoutError."""
+    job_id = enqueue_committed(engine, "slow")
+    seen: list[bool] = []
+
+    def handler(job: sp.JobContext) -> None:
+        seen.append(job.cancel_requested.wait(10))
+
+    assert sp.process_next_job(
+        engine, handler, handler_mode="advanced", job_timeout=0.2, **SHORT_LEASE
+    )
+    assert seen == [True]
+    done = archived_job(engine, job_id)
+    assert done is not None and done.status == "failure"
+    assert done.error is not None and "JobTimeoutError" in done.error
+
+
 def test_job_timeout_without_lease_seconds_is_refused_naming_lease_seconds(
     engine: sa.Engine,
 ) -> None:

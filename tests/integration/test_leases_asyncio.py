@@ -286,3 +286,48 @@ def test_create_async_queue_worker_refuses_job_timeout_without_lease_seconds(
             assert "unknown" not in str(refused.value)
 
     asyncio.run(main())
+
+
+def test_job_timeout_cancels_an_async_handlers_task_and_retries_then_fails_the_job(
+    engine: sa.Engine, async_url: URL
+) -> None:
+    """Past job_timeout the handler's task is cancelled; the run fails with JobTimeoutError,
+    is retried once as the strategy says, then reaches the failed-job handler."""
+    job_id = enqueue_committed(engine, "slow")
+
+    async def main() -> tuple[list[int], list[Exception]]:
+        cancelled: list[int] = []
+        failed: list[Exception] = []
+
+        async def handler(job: sp.AsyncJobContext) -> None:
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                cancelled.append(job.attempts)
+                raise
+
+        async with (
+            async_engine(async_url) as worker_engine,
+            sp.create_async_queue_worker(
+                worker_engine,
+                handler,
+                handler_mode="advanced",
+                lease_seconds=2.0,
+                heartbeat_interval=0.1,
+                job_timeout=0.3,
+                polling_interval=0.02,
+                retry_strategy=lambda job, exc: sp.RetryStrategy(retries=1, delays=[0]),
+                failed_job_handler=lambda job, exc: failed.append(exc),
+            ),
+        ):
+            assert await eventually(lambda: archived_job(engine, job_id) is not None)
+            assert await eventually(lambda: len(cancelled) == 2)
+        return cancelled, failed
+
+    cancelled, failed = asyncio.run(main())
+    assert cancelled == [1, 2]
+    [exc] = failed
+    assert isinstance(exc, sp.JobTimeoutError) and "timed out" in str(exc)
+    done = archived_job(engine, job_id)
+    assert done is not None and (done.status, done.attempts) == ("failure", 2)
+    assert jobs(engine) == []
