@@ -187,9 +187,6 @@ def test_the_cancel_command_says_a_running_leased_job_was_asked_to_stop(
     assert cancel(queued) == f"job {queued} cancelled (archived as cancelled)"
 
 
-# The heartbeat reads its leases with Result.tuples(), deprecated in SQLAlchemy 2.1: under
-# ``filterwarnings = error`` the warning is raised in the heartbeat, and no lease is renewed.
-@pytest.mark.filterwarnings("ignore:The Result.tuples:sqlalchemy.exc.SADeprecationWarning")
 def test_a_lease_mode_workers_running_job_is_running_and_its_cancel_reaches_the_handler(
     engine: sa.Engine,
 ) -> None:
