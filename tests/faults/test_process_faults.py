@@ -283,6 +283,11 @@ def test_workers_frozen_past_their_lease_commit_nothing_late(
         # The run logs it after its handler's done line.
         if not fh.wait_until(fenced, timeout=5):
             problems.append(f"{worker.name} logged no lease-lost for its late run of {job_id}")
+    early_job = next(job_id for job_id in slow_ids if job_id in early.starts)
+    late_end = [run[2] for run in early.runs if run[0] == early_job]
+    new_end = [run[2] for worker in live for run in worker.runs if run[0] == early_job]
+    if not (late_end and new_end and float(late_end[0] or "inf") < float(new_end[0] or 0)):
+        problems.append(f"{early.name}'s late run of {early_job} did not end during the new run")
     drain = db.wait_drained(time.monotonic(), timeout=30, give_up=lambda: fleet.alive() == 0)
     if drain is None:
         problems.append("the queue was not drained after the frozen workers resumed")
@@ -301,9 +306,10 @@ def test_workers_frozen_past_their_lease_commit_nothing_late(
         sa.select(sa.func.count())
         .select_from(EFFECTS)
         .where(EFFECTS.c.pid.in_([worker.pid for worker in frozen]))
+        .where(EFFECTS.c.job_id.in_(slow_ids))
     )
     if late_writes:
-        problems.append(f"{late_writes} handler writes of the frozen workers' runs committed")
+        problems.append(f"{late_writes} handler writes of the frozen runs committed")
     fr.record(
         "8 frozen past the lease",
         db,
