@@ -32,7 +32,7 @@ from sqlalchemy.ext.asyncio import (
 from sqlalchemy.orm import Session, scoped_session
 from sqlalchemy.util import await_only, greenlet_spawn
 
-from sqla_proletarian import ledger, wakeups
+from sqla_proletarian import wakeups
 from sqla_proletarian.dialects import dialect_of
 from sqla_proletarian.enqueue import _not_a_transaction, enqueue, enqueue_many
 from sqla_proletarian.errors import (
@@ -42,10 +42,10 @@ from sqla_proletarian.errors import (
     is_transient,
     polling_error_hint,
 )
-from sqla_proletarian.execution import JobRunner, WorkerConnections
-from sqla_proletarian.handlers import AsyncJobContext, JobContext, JobSession
+from sqla_proletarian.handlers import AsyncJobContext, JobContext, JobSession, StopSignal
+from sqla_proletarian.leases import LeaseRunner, LeaseSession, new_runner
 from sqla_proletarian.logs import log_event
-from sqla_proletarian.running import Outcome, RunSettings
+from sqla_proletarian.running import RUNNING_SIGNAL, Outcome, RunSettings
 from sqla_proletarian.values import DEFAULT_QUEUE
 from sqla_proletarian.worker import WorkerOptions, _check_pool, scheduler_for, transient_backoff
 
@@ -197,6 +197,15 @@ def _settle(result: Any) -> Any:
         ) from exc
 
 
+def _async_event(signal: threading.Event) -> asyncio.Event:
+    """An asyncio.Event set when the run's stop signal is (from any thread)."""
+    event = asyncio.Event()
+    if isinstance(signal, StopSignal):
+        loop = asyncio.get_running_loop()
+        signal.add_callback(lambda: loop.call_soon_threadsafe(event.set))
+    return event
+
+
 async def _wait(event: asyncio.Event, seconds: float) -> None:
     """Wait until ``event`` is set or ``seconds`` have passed."""
     with contextlib.suppress(TimeoutError):
@@ -233,7 +242,7 @@ class AsyncQueueWorker:
         sync_engine = engine.sync_engine
         dialect_of(sync_engine).check_worker_engine(sync_engine)
         self._stopping = asyncio.Event()
-        self._runner = JobRunner(
+        self._runner = new_runner(
             sync_engine,
             self._settings(options.run_settings(handler)),
             self._count,
@@ -260,6 +269,8 @@ class AsyncQueueWorker:
         self._listener: _Listener | None = None
         self._exception: BaseException | None = None
         self._keeper: asyncio.Task[None] | None = None
+        #: Lease mode: the tasks running handlers (a handler's stop() only asks for it).
+        self._handler_tasks: set[asyncio.Future[Any]] = set()
 
     def _settings(self, settings: RunSettings) -> RunSettings:
         """The run settings with the user's functions wrapped: advanced-mode handlers and the
@@ -267,10 +278,10 @@ class AsyncQueueWorker:
         handler = settings.handler
 
         def run_advanced(job: JobContext) -> Any:
-            return _settle(handler(self._context(job)))
+            return _settle(self._stoppable(handler(self._context(job)), job.cancel_requested))
 
         def run_default(job_type: str, payload: Any) -> Any:
-            return _settle(handler(job_type, payload))
+            return _settle(self._stoppable(handler(job_type, payload), RUNNING_SIGNAL.get()))
 
         return dataclasses.replace(
             settings,
@@ -278,6 +289,19 @@ class AsyncQueueWorker:
             retry_strategy=self._callback(settings.retry_strategy),
             failed_job_handler=self._callback(settings.failed_job_handler),
         )
+
+    def _stoppable(self, result: Any, signal: threading.Event | None) -> Any:
+        """Lease mode: a handler's result awaited in a task of its own, cancelled when the
+        worker asks the handler to stop (cancel, timeout, lost lease, a stop that gave up)."""
+        if not isinstance(self._runner, LeaseRunner) or not inspect.isawaitable(result):
+            return result
+        task = asyncio.ensure_future(result)
+        self._handler_tasks.add(task)
+        task.add_done_callback(self._handler_tasks.discard)
+        if isinstance(signal, StopSignal):
+            loop = asyncio.get_running_loop()
+            signal.add_callback(lambda: loop.call_soon_threadsafe(task.cancel))
+        return task
 
     def _callback(self, function: Callable[..., Any] | None) -> Callable[..., Any] | None:
         """A retry strategy or failed-job handler, called with the run's AsyncJobContext."""
@@ -297,13 +321,20 @@ class AsyncQueueWorker:
         known = session.info.get(_ASYNC_CONTEXT)
         if isinstance(known, AsyncJobContext):
             return known
+        # A leased job's session takes its connection on first use, not here.
+        bind = (
+            self._engine
+            if isinstance(session, LeaseSession)
+            else AsyncConnection(self._engine, session.job_connection)
+        )
         proxy = AsyncSession(
-            AsyncConnection(self._engine, session.job_connection),
+            bind,
             # AsyncSession proxies what its sync_session_class returns: the job's session.
             sync_session_class=cast(type[Session], lambda **_: session),
         )
         values = {f.name: getattr(job, f.name) for f in dataclasses.fields(job)}
         values["session"] = proxy
+        values["cancel_requested"] = _async_event(job.cancel_requested)
         context = session.info[_ASYNC_CONTEXT] = AsyncJobContext(**values)
         return context
 
@@ -341,7 +372,7 @@ class AsyncQueueWorker:
         """Check the run-record owner's session every ledger.KEEPER_INTERVAL until the worker
         has stopped, taking it back if it ended."""
         while not self._stopped.is_set():
-            await _wait(self._stopped, ledger.KEEPER_INTERVAL)
+            await _wait(self._stopped, self._runner.upkeep_interval)
             if not self._stopped.is_set():
                 await greenlet_spawn(self._runner.keep_owner)
 
@@ -355,7 +386,7 @@ class AsyncQueueWorker:
         """
         shutdown = self._begin_shutdown()
         current = asyncio.current_task()
-        if current is shutdown or current in self._tasks:
+        if current is shutdown or current in self._tasks or current in self._handler_tasks:
             return
         await asyncio.shield(shutdown)
 
@@ -463,6 +494,9 @@ class AsyncQueueWorker:
             hint="jobs still running were cancelled: their transactions roll back and they "
             "will run again",
         )
+        if isinstance(self._runner, LeaseRunner):
+            # Leases go back at once, and their handlers are asked to stop (their tasks too).
+            await greenlet_spawn(self._runner.abandon_in_flight)
         for task in pending:
             task.cancel()
         _, pending = await asyncio.wait(pending, timeout=CANCEL_GRACE)
@@ -513,7 +547,7 @@ class AsyncQueueWorker:
         """Claim and run jobs until the worker stops, holding the task's connections."""
         runner = self._runner
         backoff = 0.0
-        connections: WorkerConnections | None = None
+        connections: Any = None
         try:
             while not self._stopping.is_set():
                 try:

@@ -39,7 +39,7 @@ from sqla_proletarian.errors import (
     driver_error,
 )
 from sqla_proletarian.handlers import JobHandlers
-from sqla_proletarian.inspection import DEFAULT_FAILED_LIMIT, failed_jobs, queue_status
+from sqla_proletarian.inspection import DEFAULT_FAILED_LIMIT, failed_jobs, get_job, queue_status
 from sqla_proletarian.maintenance import install_tables, prune_archive, retry_failed_report
 from sqla_proletarian.models import DEFAULT_QUEUE
 from sqla_proletarian.supervisor import (
@@ -300,6 +300,9 @@ def worker(args: argparse.Namespace) -> int:
         "polling_interval": args.polling_interval,
         "handler_mode": args.handler_mode,
         "reconnect_grace": args.reconnect_grace,
+        "lease_seconds": args.lease_seconds,
+        "heartbeat_interval": args.heartbeat_interval,
+        "job_timeout": args.job_timeout,
     }
     if args.process_index is not None:
         options["worker_id"] = f"proletarian[{args.queue}]#{args.process_index}"
@@ -343,11 +346,19 @@ def _supervise(args: argparse.Namespace, url: URL) -> int:
         *("--batch-size", str(args.batch_size)),
         *("--polling-interval", repr(args.polling_interval)),
         *("--reconnect-grace", repr(args.reconnect_grace)),
+        *_given("--lease-seconds", args.lease_seconds),
+        *_given("--heartbeat-interval", args.heartbeat_interval),
+        *_given("--job-timeout", args.job_timeout),
         *("--handler-mode", args.handler_mode, "--log-level", args.log_level or "info"),
         *(["--burst"] if args.burst else []),
     ]
     env = {**os.environ, "DATABASE_URL": url.render_as_string(hide_password=False)}
     return Supervisor(worker_args, args.processes, burst=args.burst, env=env).run()
+
+
+def _given(option: str, value: float | None) -> list[str]:
+    """A worker option for the processes' command lines, if it was given."""
+    return [] if value is None else [option, repr(value)]
 
 
 def enqueue_job(args: argparse.Namespace) -> int:
@@ -487,10 +498,19 @@ def cancel(args: argparse.Namespace) -> int:
     (job_id,) = _uuids([args.job_id])
     with _database(args) as engine, engine.begin() as conn:
         cancelled = cancel_job(conn, job_id)
+        # A job under a live lease stays in the queue until its worker stops it.
+        still = get_job(conn, job_id) if cancelled else None
+        requested = still is not None and still.state == "running"
     if not cancelled:
         _error("cancel", f"job {job_id} was not cancelled: it is not queued, or it is running")
         return EXIT_FAILURE
-    print(f"job {job_id} cancelled (archived as cancelled)")
+    if requested:
+        print(
+            f"job {job_id} cancel requested (running under a lease; its worker stops it "
+            "within a heartbeat)"
+        )
+    else:
+        print(f"job {job_id} cancelled (archived as cancelled)")
     return EXIT_OK
 
 
@@ -582,6 +602,27 @@ WORKER_ARGUMENTS = (
         metavar="S",
         help="seconds a run's worker must stay gone from the database before the run counts "
         f"as an unclean end and its job runs again ({DEFAULT_RECONNECT_GRACE:g})",
+    ),
+    arg(
+        "--lease-seconds",
+        type=float,
+        metavar="S",
+        help="lease mode: claim each job under a lease of S seconds, renewed by a heartbeat, "
+        "and run its handler with no transaction open (for long jobs); a dead worker's job "
+        "runs again once its lease expires",
+    ),
+    arg(
+        "--heartbeat-interval",
+        type=float,
+        metavar="S",
+        help="lease mode: seconds between renewals of the worker's leases (lease / 3)",
+    ),
+    arg(
+        "--job-timeout",
+        type=float,
+        metavar="S",
+        help="lease mode: fail (and retry per the retry strategy) a job still running after "
+        "S seconds, asking its handler to stop",
     ),
     arg(
         "--handler-mode",
@@ -725,11 +766,13 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command(
         "cancel",
-        "cancel a queued job that no worker is running (archived as cancelled)",
+        "cancel a queued job that no worker is running (archived as cancelled), or ask the "
+        "worker running it under a lease to stop it",
         f"{PROG} cancel 0b3f4c1e-8a52-4d3e-9a57-2f1f6c1d2e3a",
         (arg("job_id", metavar="JOB_ID"),),
         cancel,
-        "exit status: 0 cancelled; 1 not cancelled (not queued, or running right now)",
+        "exit status: 0 cancelled or cancel requested; 1 not cancelled (not queued, or "
+        "running right now in transaction mode)",
     ),
     Command(
         "prune",

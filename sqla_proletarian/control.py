@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import logging
 import uuid
+from datetime import datetime
 
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Engine, RowMapping
 from sqlalchemy.orm import Session, scoped_session
 
 from sqla_proletarian import statements as sql
@@ -28,19 +29,31 @@ def cancel_job(
     session_or_connection: Transaction, job_id: uuid.UUID, *, clock: Clock = utc_now
 ) -> bool:
     """Take a queued job out of its queue before it runs: it is archived with status
-    ``"cancelled"``. True if it was cancelled; False if it is not in the queue (never
-    enqueued, archived already) or a worker is running it right now. Never commits.
+    ``"cancelled"``. True if it was cancelled, or, for a job running under a live lease
+    (lease mode), if its worker was asked to stop it; False if it is not in the queue
+    (never enqueued, archived already) or a worker in transaction mode is running it right
+    now. Never commits.
 
-    A job a worker is running is skipped, not waited for (``FOR UPDATE SKIP LOCKED``). On
-    SQLite a running job holds the database's write lock, so the cancel waits for the run
-    to end (up to the connection's busy timeout), then finds the job gone and returns False.
+    A job running under a live lease is not archived here: ``cancel_requested_at`` is set
+    (an earlier request's time is kept), the worker's next heartbeat after the caller's
+    commit sets the handler's ``job.cancel_requested``, and the worker archives the job as
+    ``"cancelled"`` when its handler ends (commit soon: the heartbeat skips the row while
+    the caller's transaction holds it). A job whose lease expired (its worker died or
+    froze) is cancelled as a queued one: a frozen worker's late completion finds the lease
+    gone and writes nothing.
+
+    A job a worker in transaction mode is running is skipped, not waited for (``FOR UPDATE
+    SKIP LOCKED``). On SQLite a running job holds the database's write lock, so the cancel
+    waits for the run to end (up to the connection's busy timeout), then finds the job gone
+    and returns False.
 
     Every lock it takes is on a row it found, never on the gaps between rows (which InnoDB
     takes at REPEATABLE READ, MySQL's default): an open transaction that cancelled a job
-    holds up no worker's claims. The job is read before it is locked, and its run records
-    are read, then deleted by primary key. So at REPEATABLE READ the cancel sees the
-    transaction's snapshot, as on PostgreSQL: a job enqueued after it was taken is not
-    cancelled (False), and a run record committed after it stays behind.
+    holds up no worker's claims. The job is read before it is locked (a lease's cancel
+    request is written by primary key), and its run records are read, then deleted by
+    primary key. So at REPEATABLE READ the cancel sees the transaction's snapshot, as on
+    PostgreSQL: a job enqueued after it was taken is not cancelled (False), and a run
+    record committed after it stays behind.
     """
     if not isinstance(job_id, uuid.UUID):
         raise InvalidJobError("job_id", f"{job_id!r} is not a uuid.UUID")
@@ -48,11 +61,17 @@ def cancel_job(
     dialect = dialect_of(conn)
     now = check_aware("clock()", clock())
     # A locking read that finds no row would lock the gap where it would be.
-    if conn.execute(*sql.queued_job(job_id)).first() is None:
+    found = conn.execute(*sql.queued_job(job_id)).mappings().first()
+    if found is None:
         return False
-    job = conn.execute(*sql.lock_queued_job(job_id)).mappings().first()
+    if _live_lease(found, now) and _request_cancel(conn, found, now):
+        return True
+    # Not leased, its lease expired, or its lease ended since it was read.
+    job = conn.execute(*sql.lock_to_cancel(job_id)).mappings().first()
     if job is None:
         return False
+    if _live_lease(job, now):  # leased again since it was read; now locked
+        return _request_cancel(conn, found, now)
     # On SQLite the row was read without a lock: the delete takes the write lock (after a
     # running job's commit) and tells whether the job is still there.
     if dialect.deletes_runs_with_job:
@@ -65,9 +84,11 @@ def cancel_job(
             conn.execute(*sql.end_run(run.run_id))
     if deleted != 1:
         return False
+    # An expired lease's process_at is its expiry: the archive keeps the job's own due time.
+    due_at = job["due_at"] if job["lease_token"] is not None else None
     conn.execute(
         *sql.archive(
-            dict(job),
+            {**job, "process_at": due_at or job["process_at"]},
             status="cancelled",
             attempts=job["attempts"],
             finished_at=now,
@@ -81,6 +102,26 @@ def cancel_job(
         job_id=job_id,
         job_type=job["job_type"],
         queue=job["queue"],
+    )
+    return True
+
+
+def _live_lease(job: RowMapping, now: datetime) -> bool:
+    """Whether a job row is under a lease that has not expired at ``now``."""
+    return job["lease_token"] is not None and job["process_at"] > now
+
+
+def _request_cancel(conn: Connection, job: RowMapping, now: datetime) -> bool:
+    """Ask the worker holding the job's live lease to stop it; False if the lease ended."""
+    if conn.execute(*sql.request_cancel(job["seq"], now)).rowcount != 1:
+        return False
+    log_event(
+        logging.INFO,
+        "job-cancel-requested",
+        job_id=job["job_id"],
+        job_type=job["job_type"],
+        queue=job["queue"],
+        lease_owner=job["lease_owner"],
     )
     return True
 

@@ -192,6 +192,9 @@ class JobRunner(RunnerBase):
             else None
         )
 
+    #: Seconds between calls of keep_owner().
+    upkeep_interval = ledger.KEEPER_INTERVAL
+
     @property
     def connections_per_thread(self) -> int:
         """Connections a claiming thread holds: its claim's, plus the run ledger's."""

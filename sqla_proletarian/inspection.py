@@ -1,9 +1,10 @@
 """Looking at the queues without getting in the workers' way: counts per queue, failures.
 
-Every query here is a plain read (no ``FOR UPDATE``, no lock a worker could wait for) that
-walks an index: the job table's poll index ``(queue, process_at, seq)``, the archive's
-``finished_at`` index, and the crash ledger, which holds one row per claimed job. Counts are
-grouped in the database; no table is loaded into Python.
+Every query here is a plain read (no ``FOR UPDATE``, no lock a worker could wait for):
+pages walk an index (the job table's poll index ``(queue, run_order, process_at, seq)``, the
+archive's ``finished_at`` index, and the crash ledger, which holds one row per claimed job);
+the per-queue counts and the live leases are one pass over the job table, since no index
+names leases. Counts are grouped in the database; no table is loaded into Python.
 """
 
 from __future__ import annotations
@@ -55,12 +56,14 @@ RECENT = timedelta(hours=1)
 class QueueStatus:
     """One queue at one moment.
 
-    ``ready``: due now and not claimed; ``scheduled``: due later (retries waiting included);
-    ``running``: claimed right now by a live worker; ``oldest_ready_age_s``: seconds since
-    the oldest ready job became due (None when none is ready); ``succeeded_last_hour`` and
+    ``ready``: due now and not claimed, jobs whose lease expired included (their worker
+    died or froze; the next poll takes them again); ``scheduled``: due later (retries
+    waiting included); ``running``: claimed right now by a live worker, in a transaction
+    or under a live lease; ``oldest_ready_age_s``: seconds since the oldest ready job
+    became due (None when none is ready); ``succeeded_last_hour`` and
     ``failed_last_hour``: archived in the last hour; ``paused``: workers do not claim from
     it (``sp.pause_queue``); ``by_priority``: the queued jobs (ready, scheduled and running)
-    per priority, highest first.
+    per priority, highest first; ``expired_leases``: the ready jobs whose lease expired.
     """
 
     queue: str
@@ -72,6 +75,7 @@ class QueueStatus:
     failed_last_hour: int
     paused: bool = False
     by_priority: dict[int, int] = field(default_factory=dict)
+    expired_leases: int = 0
 
 
 @dataclass(frozen=True)
@@ -92,19 +96,29 @@ class FailedJob:
 
 @dataclass
 class _QueueCounts:
-    """One queue's counts, summed over its priorities."""
+    """One queue's counts, summed over its priorities: unleased jobs due and due later,
+    leased jobs under a live and an expired lease."""
 
     due: int = 0
     scheduled: int = 0
+    leased: int = 0
+    expired: int = 0
     oldest_due: datetime | None = None
+    oldest_expired: datetime | None = None
 
     def add(self, row: Any) -> None:
         self.due += int(row.due)
         self.scheduled += int(row.scheduled)
-        if row.oldest_due is not None and (
-            self.oldest_due is None or row.oldest_due < self.oldest_due
-        ):
-            self.oldest_due = row.oldest_due
+        self.leased += int(row.leased)
+        self.expired += int(row.expired)
+        self.oldest_due = _earlier(self.oldest_due, row.oldest_due)
+        self.oldest_expired = _earlier(self.oldest_expired, row.oldest_expired)
+
+
+def _earlier(one: datetime | None, other: datetime | None) -> datetime | None:
+    if one is None or other is None:
+        return other if one is None else one
+    return min(one, other)
 
 
 def queue_status(bind: Engine | Connection, *, clock: Clock = utc_now) -> list[QueueStatus]:
@@ -117,8 +131,10 @@ def queue_status(bind: Engine | Connection, *, clock: Clock = utc_now) -> list[Q
     process id on this machine. A batch's jobs count from its claim on, those not started
     yet included. A worker with crash accounting off (``max_unclean_ends=None``) writes no
     run records, so the jobs it runs are counted as ready, not running; records of dead
-    workers count as nothing (their jobs are ready again). ``ready`` is what is due minus
-    what is running, and the oldest ready job is the oldest due one no live worker holds.
+    workers count as nothing (their jobs are ready again). A job under a live lease (lease
+    mode) counts as running; one whose lease expired as ready, from its own due time.
+    ``ready`` is what is due minus what is running, and the oldest ready job is the oldest
+    due one no live worker holds.
     """
     now = clock()
     with _reading(bind, "queue_status") as conn:
@@ -127,7 +143,7 @@ def queue_status(bind: Engine | Connection, *, clock: Clock = utc_now) -> list[Q
         by_priority: dict[str, dict[int, int]] = {}
         for row in conn.execute(*sql.queue_counts(now)):
             counts.setdefault(row.queue, _QueueCounts()).add(row)
-            jobs = int(row.due) + int(row.scheduled)
+            jobs = int(row.due) + int(row.scheduled) + int(row.leased) + int(row.expired)
             by_priority.setdefault(row.queue, {})[-int(row.run_order)] = jobs
         finished = {row.queue: row for row in conn.execute(*sql.finished_counts(now - RECENT))}
         paused = set(conn.execute(*sql.paused_names()).scalars())
@@ -139,24 +155,27 @@ def queue_status(bind: Engine | Connection, *, clock: Clock = utc_now) -> list[Q
                 running[row.queue] = running.get(row.queue, 0) + int(row.jobs)
         statuses = []
         for queue in sorted(set(counts) | set(finished) | paused):
-            due = int(counts[queue].due) if queue in counts else 0
+            tally = counts.get(queue, _QueueCounts())
             busy = running.get(queue, 0)
-            oldest: datetime | None = counts[queue].oldest_due if queue in counts else None
+            oldest = tally.oldest_due
             if oldest is not None and busy:
                 oldest = conn.execute(*sql.oldest_unclaimed(queue, now, sorted(live))).scalar()
-            ready = max(0, due - busy)
+            free = max(0, tally.due - busy)
+            oldest = _earlier(oldest if free else None, tally.oldest_expired)
+            ready = free + tally.expired
             age = max(0.0, (now - oldest).total_seconds()) if oldest and ready else None
             statuses.append(
                 QueueStatus(
                     queue=queue,
                     ready=ready,
-                    scheduled=int(counts[queue].scheduled) if queue in counts else 0,
-                    running=busy,
+                    scheduled=tally.scheduled,
+                    running=busy + tally.leased,
                     oldest_ready_age_s=age,
                     succeeded_last_hour=int(finished[queue].succeeded) if queue in finished else 0,
                     failed_last_hour=int(finished[queue].failed) if queue in finished else 0,
                     paused=queue in paused,
                     by_priority=dict(sorted(by_priority.get(queue, {}).items(), reverse=True)),
+                    expired_leases=tally.expired,
                 )
             )
     return statuses
@@ -241,8 +260,9 @@ def _advisory_tag(owner: str) -> tuple[int, int] | None:
 
 # --- browsing jobs: keyset pages, one job by id, what finished minute by minute -------------
 
-#: The states a job can be listed by: in the queue (``ready``: due and not running;
-#: ``scheduled``: due later; ``running``: claimed by a live worker) or in the archive.
+#: The states a job can be listed by: in the queue (``ready``: due and not running, expired
+#: leases included; ``scheduled``: due later; ``running``: claimed by a live worker, in a
+#: transaction or under a live lease) or in the archive.
 JOB_STATES = ("ready", "scheduled", "running", "succeeded", "failed", "cancelled")
 #: How many jobs ``list_jobs`` returns unless told otherwise, and the most at once.
 DEFAULT_PAGE_SIZE = 50
@@ -258,7 +278,16 @@ _STATE_OF_STATUS = {status: state for state, status in _ARCHIVED_STATES.items()}
 @dataclass(frozen=True)
 class JobInfo:
     """A job as a list shows it, without its payload. ``state`` is one of ``JOB_STATES``;
-    ``finished_at`` and ``error`` are set once it is archived."""
+    ``process_at`` is its own due time (also while leased); ``finished_at`` and ``error``
+    are set once it is archived.
+
+    A job that has a lease (lease mode) shows its ``owner`` (the worker, as
+    ``worker_id@host:pid/thread``), ``lease_expires_at``, ``heartbeat_at`` (its last
+    renewal) and ``cancel_requested_at`` (``cancel_job`` asked its worker to stop it); all
+    None for other jobs. While its lease is live it is ``running``; once the lease expired
+    (its worker died or froze) it is ``ready`` with ``lease_expired`` True, until a worker
+    claims it again.
+    """
 
     job_id: uuid.UUID
     queue: str
@@ -269,6 +298,11 @@ class JobInfo:
     process_at: datetime
     finished_at: datetime | None
     error: str | None
+    owner: str | None = field(default=None, kw_only=True)
+    lease_expires_at: datetime | None = field(default=None, kw_only=True)
+    heartbeat_at: datetime | None = field(default=None, kw_only=True)
+    cancel_requested_at: datetime | None = field(default=None, kw_only=True)
+    lease_expired: bool = field(default=False, kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -313,7 +347,9 @@ def list_jobs(
     first. ``after`` is the ``next_cursor`` of the page before. Every page is one range of
     an index per queue it spans (the poll index, or the archive's ``finished_at`` index),
     never an OFFSET, so page 1,000 costs what page 1 does. Running and ready are told
-    apart as ``queue_status`` does, without taking a lock.
+    apart as ``queue_status`` does, without taking a lock; the running list adds the jobs
+    under a live lease, found by reading the job table (they are few, the table may not
+    be), and lists them by their own due time.
     """
     if state not in JOB_STATES:
         raise ConfigurationError(f"state={state!r}: give one of {', '.join(JOB_STATES)}")
@@ -333,14 +369,15 @@ def list_jobs(
         now = clock()
         live = sorted(_live_owners(dialect_of(conn), conn, _run_owners(conn)))
         if state == "running":
-            found = _running_rows(conn, live, queue, job_type, key, limit + 1)
+            found = _running_rows(conn, now, live, queue, job_type, key, limit + 1)
         else:
             found = _queued_rows(conn, state == "ready", now, live, queue, job_type, key, limit)
     rows = found[:limit]
-    queued = [_queued_info(row, state) for row in rows]
+    queued = [_queued_info(row, state, now) for row in rows]
     more = len(found) > limit
     last_row = rows[-1] if more else None
-    cursor = _write_cursor(_queued_key(last_row)) if last_row is not None else None
+    order = _running_key if state == "running" else _queued_key
+    cursor = _write_cursor(order(last_row)) if last_row is not None else None
     return JobPage(tuple(queued), cursor)
 
 
@@ -359,12 +396,15 @@ def get_job(
             if archived is None:
                 return None
             return JobDetail(**vars(_archived_info(archived)), payload=archived.payload)
+        now = clock()
         owners = {run.owner for run in conn.execute(*sql.runs_of(wanted))}
-        if _live_owners(dialect_of(conn), conn, owners):
+        if row.lease_token is not None:
+            state = "running" if row.process_at > now else "ready"
+        elif _live_owners(dialect_of(conn), conn, owners):
             state = "running"
         else:
-            state = "ready" if row.process_at <= clock() else "scheduled"
-    return JobDetail(**vars(_queued_info(row, state)), payload=row.payload)
+            state = "ready" if row.process_at <= now else "scheduled"
+    return JobDetail(**vars(_queued_info(row, state, now)), payload=row.payload)
 
 
 def finished_per_minute(
@@ -440,22 +480,26 @@ def _next_queue(conn: Connection, after: str | None) -> str | None:
 
 def _running_rows(
     conn: Connection,
+    now: datetime,
     live: list[str],
     queue: str | None,
     job_type: str | None,
     key: tuple[Any, ...] | None,
     limit: int,
 ) -> list[Any]:
-    """The running jobs (few: one per claimed job of a live worker) from ``key`` on."""
-    if not live:
-        return []
-    held = [row.job_id for row in conn.execute(*sql.held_jobs(live))]
-    if not held:
-        return []
-    rows = conn.execute(*sql.jobs_by_id(held, queue=queue, job_type=job_type)).all()
-    ordered = sorted(rows, key=_queued_key)
+    """The running jobs (few: one per claimed job of a live worker, one per live lease)
+    from ``key`` on."""
+    rows = {
+        row.job_id: row
+        for row in conn.execute(*sql.leased_jobs(now, queue=queue, job_type=job_type))
+    }
+    held = [row.job_id for row in conn.execute(*sql.held_jobs(live))] if live else []
+    if held:
+        for row in conn.execute(*sql.jobs_by_id(held, queue=queue, job_type=job_type)):
+            rows.setdefault(row.job_id, row)
+    ordered = sorted(rows.values(), key=_running_key)
     if key is not None:
-        ordered = [row for row in ordered if _queued_key(row) > key]
+        ordered = [row for row in ordered if _running_key(row) > key]
     return ordered[:limit]
 
 
@@ -464,7 +508,23 @@ def _queued_key(row: Any) -> tuple[str, int, datetime, int]:
     return (row.queue, int(row.run_order), row.process_at, int(row.seq))
 
 
-def _queued_info(row: Any, state: str) -> JobInfo:
+def _running_key(row: Any) -> tuple[str, int, datetime, int]:
+    """Where a running job stands in its list: as a queued one, by its own due time (a
+    lease's expiry moves at every heartbeat)."""
+    return (row.queue, int(row.run_order), _due_time(row), int(row.seq))
+
+
+def _due_time(row: Any) -> datetime:
+    """A queued job's own due time: while leased, ``process_at`` is the lease's expiry."""
+    if row.lease_token is not None and row.due_at is not None:
+        due: datetime = row.due_at
+        return due
+    at: datetime = row.process_at
+    return at
+
+
+def _queued_info(row: Any, state: str, now: datetime) -> JobInfo:
+    leased = row.lease_token is not None
     return JobInfo(
         job_id=row.job_id,
         queue=row.queue,
@@ -472,9 +532,14 @@ def _queued_info(row: Any, state: str) -> JobInfo:
         state=state,
         attempts=row.attempts,
         enqueued_at=row.enqueued_at,
-        process_at=row.process_at,
+        process_at=_due_time(row),
         finished_at=None,
         error=None,
+        owner=row.lease_owner if leased else None,
+        lease_expires_at=row.process_at if leased else None,
+        heartbeat_at=row.heartbeat_at if leased else None,
+        cancel_requested_at=row.cancel_requested_at if leased else None,
+        lease_expired=leased and row.process_at <= now,
     )
 
 
@@ -501,7 +566,8 @@ def _write_cursor(key: tuple[Any, ...]) -> str:
 
 def _read_cursor(cursor: str | None, archived: bool) -> tuple[Any, ...] | None:
     """The key of a ``next_cursor``: (finished_at, job_id) of the archive's lists, else
-    (queue, run_order, process_at, seq)."""
+    (queue, run_order, process_at, seq), the running list's time being the job's own due
+    time."""
     if cursor is None:
         return None
     try:

@@ -255,11 +255,22 @@ class LeaseRunner(RunnerBase):
         return self.heartbeat_interval
 
     def keep_owner(self) -> None:
-        """Renew the leases when a heartbeat is due, and time out jobs past job_timeout."""
+        """Renew the leases when a heartbeat is due, and time out jobs past job_timeout. A
+        heartbeat that fails is logged and tried again at the next interval."""
         with self._upkeep_lock:
             if time.monotonic() >= self._next_beat:
                 self._next_beat = time.monotonic() + self.heartbeat_interval
-                self._beat()
+                try:
+                    self._beat()
+                except Exception as exc:
+                    log_event(
+                        logging.WARNING,
+                        "heartbeat-error",
+                        worker_id=self.settings.worker_id,
+                        error=repr(exc),
+                        hint="the leases were not renewed; the next heartbeat tries again "
+                        "(a lease expires after lease_seconds without one)",
+                    )
             if self.settings.job_timeout is not None:
                 self._time_out()
 
@@ -274,7 +285,7 @@ class LeaseRunner(RunnerBase):
                 try:
                     self.keep_owner()
                 except Exception as exc:
-                    log_event(logging.WARNING, "heartbeat-error", error=repr(exc))
+                    log_event(logging.ERROR, "lease-upkeep-error", error=repr(exc))
 
         self._keeper = threading.Thread(
             target=beat_until_closed, name=f"{self.settings.worker_id}-heartbeat", daemon=True
@@ -346,7 +357,11 @@ class LeaseRunner(RunnerBase):
         else:
             try:
                 runs = self._claim(connections)
-            finally:
+            except BaseException:
+                connections.release()
+                raise
+            if runs:
+                # No connection is held while handlers run; an idle thread keeps its own.
                 connections.release()
         connections.claimed_last = bool(runs)
         for index, run in enumerate(runs):
@@ -688,9 +703,11 @@ class LeaseRunner(RunnerBase):
         with self.dialect.claim_connection(self.engine) as conn:
             self.dialect.begin_claim(conn)
             try:
-                conn.execute(*sql.renew_leases(ids, tokens, now, now + self._lease))
-                rows = conn.execute(*sql.leases_held(ids, tokens)).tuples().all()
-                held: dict[uuid.UUID, datetime | None] = dict(rows)
+                free = list(conn.execute(*sql.lock_leases(ids, tokens)).scalars())
+                if free:
+                    conn.execute(*sql.renew_leases(free, tokens, now, now + self._lease))
+                rows = conn.execute(*sql.leases_held(ids, tokens)).all()
+                held: dict[uuid.UUID, datetime | None] = {row[0]: row[1] for row in rows}
                 conn.commit()
             except BaseException:
                 rollback_quietly(conn)

@@ -16,6 +16,7 @@ import time
 import traceback
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
@@ -40,6 +41,10 @@ Failure = tuple[JobContext, Exception]
 
 #: Longest error text kept in the archive.
 MAX_ERROR_TEXT = 4000
+
+#: The stop signal of the handler being called (the asyncio worker cancels a default-mode
+#: handler's task by it, as an advanced one's by ``job.cancel_requested``).
+RUNNING_SIGNAL: ContextVar[threading.Event | None] = ContextVar("running_signal", default=None)
 
 
 @dataclass(frozen=True)
@@ -150,10 +155,14 @@ class RunnerBase:
         )
 
     def _call_handler(self, context: JobContext) -> None:
-        if self.settings.handler_mode == "advanced":
-            result = self.settings.handler(context)
-        else:
-            result = self.settings.handler(context.job_type, context.payload)
+        running = RUNNING_SIGNAL.set(context.cancel_requested)
+        try:
+            if self.settings.handler_mode == "advanced":
+                result = self.settings.handler(context)
+            else:
+                result = self.settings.handler(context.job_type, context.payload)
+        finally:
+            RUNNING_SIGNAL.reset(running)
         if inspect.isawaitable(result):
             if inspect.iscoroutine(result):
                 result.close()

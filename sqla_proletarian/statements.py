@@ -302,11 +302,6 @@ def reclaim(job_id: uuid.UUID, queue: str, now: datetime) -> Statement:
     return _RECLAIM, {"job_id": job_id, "queue": queue, "now": now}
 
 
-def lock_queued_job(job_id: uuid.UUID) -> Statement:
-    """Lock a queued job by id to cancel it, skipping it if a worker is running it."""
-    return _RELOCK, {"job_id": job_id}
-
-
 #: The archive columns an outcome replaces when the job id is archived already.
 _ARCHIVE_REPLACED = (*_KEPT_COLUMNS[1:], "status", "finished_at", "error")
 
@@ -571,6 +566,7 @@ def lease(
     return _LEASE, {"ids": job_ids, "token": token, "owner": owner, "now": now, "expiry": expiry}
 
 
+_LOCK_LEASES = select(JOB.c.job_id).where(*_HELD).with_for_update(skip_locked=True)
 _RENEW = (
     update(JOB)
     .where(*_HELD)
@@ -582,10 +578,16 @@ _RENEW = (
 _STILL_HELD = select(JOB.c.job_id, JOB.c.cancel_requested_at).where(*_HELD)
 
 
+def lock_leases(job_ids: list[uuid.UUID], tokens: list[uuid.UUID]) -> Statement:
+    """Lock the worker's leases it can renew now, skipping rows another transaction holds
+    (a cancel request being written, a claim of an expired lease): a heartbeat never waits."""
+    return _LOCK_LEASES, {"ids": job_ids, "tokens": tokens}
+
+
 def renew_leases(
     job_ids: list[uuid.UUID], tokens: list[uuid.UUID], now: datetime, expiry: datetime
 ) -> Statement:
-    """Move the worker's leases' expiry on (a heartbeat); a lease another run took is left."""
+    """Move the expiry of leases the heartbeat locked on (a lease another run took is left)."""
     return _RENEW, {"ids": job_ids, "tokens": tokens, "now": now, "expiry": expiry}
 
 
@@ -903,6 +905,70 @@ def delete_archived(
     return _delete_archived(status is not None), params
 
 
+# --- jobs under a lease, seen from outside (inspection.py, control.cancel_job) -------------
+
+# While a job is leased its ``process_at`` is the lease's expiry (so no poll reads it before
+# the lease expires) and ``due_at`` its own due time: the reads of the queue tell leased
+# rows apart before they take ``process_at`` for a due time.
+_LEASED = JOB.c.lease_token.is_not(None)
+_UNLEASED = JOB.c.lease_token.is_(None)
+#: A leased job's own due time.
+_LEASED_DUE_AT = func.coalesce(JOB.c.due_at, JOB.c.process_at)
+#: A queued job's own due time, leased or not.
+DUE_AT = case((_LEASED, _LEASED_DUE_AT), else_=JOB.c.process_at)
+_LEASE_NOW = bindparam("now", type_=JOB.c.process_at.type)
+_LIVE_LEASE = (_LEASED, JOB.c.process_at > _LEASE_NOW)
+
+
+@cache
+def _leased_jobs(by_queue: bool, by_type: bool) -> Select[Any]:
+    conditions: list[Any] = [*_LIVE_LEASE]
+    if by_queue:
+        conditions.append(JOB.c.queue == bindparam("queue"))
+    if by_type:
+        conditions.append(JOB.c.job_type == bindparam("job_type"))
+    return select(*_LISTED_QUEUED).where(*conditions)
+
+
+def leased_jobs(
+    now: datetime, *, queue: str | None = None, job_type: str | None = None
+) -> Statement:
+    """The jobs under a lease still live at ``now`` (running in lease mode), optionally of
+    one queue and job type; no index names leases, so this reads the job table."""
+    params: dict[str, Any] = {"now": now}
+    if queue is not None:
+        params["queue"] = queue
+    if job_type is not None:
+        params["job_type"] = job_type
+    return _leased_jobs(queue is not None, job_type is not None), params
+
+
+_REQUEST_CANCEL = (
+    update(JOB)
+    .where(JOB.c.seq == bindparam("job_seq"), *_LIVE_LEASE)
+    .values(cancel_requested_at=func.coalesce(JOB.c.cancel_requested_at, _LEASE_NOW))
+)
+
+
+def request_cancel(seq: int, now: datetime) -> Statement:
+    """Ask the worker holding a job's live lease to stop it (by primary key; its heartbeat
+    carries the request to the handler); an earlier request's time is kept."""
+    return _REQUEST_CANCEL, {"job_seq": seq, "now": now}
+
+
+_LOCK_TO_CANCEL = (
+    select(*JOB_COLUMNS, JOB.c.lease_token, JOB.c.due_at)
+    .where(JOB.c.job_id == bindparam("job_id"))
+    .with_for_update(skip_locked=True)
+)
+
+
+def lock_to_cancel(job_id: uuid.UUID) -> Statement:
+    """Lock a queued job by id to cancel it, with its lease, skipping it if a worker in
+    transaction mode is running it."""
+    return _LOCK_TO_CANCEL, {"job_id": job_id}
+
+
 # --- inspection and putting failures back (inspection.py, maintenance.retry_failed) --------
 
 _NOW = bindparam("now", type_=JOB.c.process_at.type)
@@ -917,16 +983,19 @@ def _count_if(condition: Any) -> Any:
 _QUEUE_COUNTS = select(
     JOB.c.queue,
     JOB.c.run_order,
-    _count_if(_DUE).label("due"),
-    _count_if(~_DUE).label("scheduled"),
-    func.min(case((_DUE, JOB.c.process_at), else_=null())).label("oldest_due"),
+    _count_if(_UNLEASED & _DUE).label("due"),
+    _count_if(_UNLEASED & ~_DUE).label("scheduled"),
+    _count_if(_LEASED & ~_DUE).label("leased"),
+    _count_if(_LEASED & _DUE).label("expired"),
+    func.min(case((_UNLEASED & _DUE, JOB.c.process_at), else_=null())).label("oldest_due"),
+    func.min(case((_LEASED & _DUE, _LEASED_DUE_AT), else_=null())).label("oldest_expired"),
 ).group_by(JOB.c.queue, JOB.c.run_order)
 
 
 def queue_counts(now: datetime) -> Statement:
     """Per queue and priority (as its ``run_order``): jobs due at ``now``, jobs scheduled
-    later, the oldest due ``process_at`` (one pass over the poll index, which holds all
-    three columns)."""
+    later, jobs under a live lease and under an expired one, the oldest due ``process_at``
+    and the oldest own due time of the expired leases (one pass over the job table)."""
     return _QUEUE_COUNTS, {"now": now}
 
 
@@ -963,7 +1032,7 @@ _CLAIMED = (
         RUN.c.job_id,
         RUN.c.owner,
         select(JOB.c.queue)
-        .where(JOB.c.job_id == RUN.c.job_id)
+        .where(JOB.c.job_id == RUN.c.job_id, _UNLEASED)
         .correlate(RUN)
         .scalar_subquery()
         .label("queue"),
@@ -979,7 +1048,8 @@ _CLAIMED_RUNS = (
 
 
 def claimed_runs() -> Statement:
-    """Per queue and run-record owner: how many queued jobs have a run record."""
+    """Per queue and run-record owner: how many queued jobs have a run record (a leased
+    job counts by its lease, not by a record)."""
     return _CLAIMED_RUNS, {}
 
 
@@ -988,6 +1058,7 @@ _OLDEST_UNCLAIMED = (
     .where(
         JOB.c.queue == bindparam("queue"),
         _DUE,
+        _UNLEASED,
         ~exists()
         .where(RUN.c.job_id == JOB.c.job_id, RUN.c.owner.in_(bindparam("live", expanding=True)))
         .correlate(JOB),
@@ -998,8 +1069,8 @@ _OLDEST_UNCLAIMED = (
 
 
 def oldest_unclaimed(queue: str, now: datetime, live_owners: list[str]) -> Statement:
-    """The ``process_at`` of a queue's oldest due job that no live worker holds: the poll's
-    own index order, stopping at the first such job."""
+    """The ``process_at`` of a queue's oldest due job that no live worker holds and no
+    lease names: the poll's own index order, stopping at the first such job."""
     return _OLDEST_UNCLAIMED, {"queue": queue, "now": now, "live": live_owners}
 
 
@@ -1226,13 +1297,21 @@ _LISTED_QUEUED = (
     JOB.c.enqueued_at,
     JOB.c.process_at,
     JOB.c.run_order,
+    JOB.c.lease_token,
+    JOB.c.lease_owner,
+    JOB.c.heartbeat_at,
+    JOB.c.due_at,
+    JOB.c.cancel_requested_at,
 )
 _AFTER_AT = bindparam("after_at", type_=JOB.c.process_at.type)
 
 
 @cache
 def _queued_jobs(due: bool, after: str | None, by_type: bool, free: bool) -> Select[Any]:
+    # Due later and leased is running under a live lease, not scheduled.
     conditions: list[Any] = [JOB.c.queue == bindparam("queue"), _DUE if due else ~_DUE]
+    if not due:
+        conditions.append(_UNLEASED)
     order = bindparam("after_order", type_=JOB.c.run_order.type)
     if after == "within":
         # One priority from the cursor on: an equality on it, then a range of the index's
@@ -1272,10 +1351,11 @@ def queued_jobs(
     job_type: str | None = None,
     live_owners: list[str] | None = None,
 ) -> Statement:
-    """One queue's jobs due at ``now`` (``due``) or later, in poll order, through the poll
-    index: all of them, those of the cursor's priority after the key ``after``
-    (``run_order``, ``process_at``, ``seq``), or those of the priorities after ``beyond``
-    (a ``run_order``); ``live_owners`` leaves out the jobs whose run records they own."""
+    """One queue's jobs due at ``now`` (``due``, expired leases included) or later (live
+    leases left out), in poll order, through the poll index: all of them, those of the
+    cursor's priority after the key ``after`` (``run_order``, ``process_at``, ``seq``), or
+    those of the priorities after ``beyond`` (a ``run_order``); ``live_owners`` leaves out
+    the jobs whose run records they own."""
     params: dict[str, Any] = {"queue": queue, "now": now, "limit": limit}
     mode = None
     if after is not None:

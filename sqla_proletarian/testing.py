@@ -23,10 +23,11 @@ from sqla_proletarian.errors import (
     PayloadDeserializationError,
     ProletarianError,
 )
-from sqla_proletarian.execution import JobRunner
+from sqla_proletarian.leases import new_runner
 from sqla_proletarian.models import Job
 from sqla_proletarian.running import Outcome
 from sqla_proletarian.serialization import DEFAULT_SERIALIZER, Serializer
+from sqla_proletarian.statements import DUE_AT
 from sqla_proletarian.worker import WorkerOptions
 
 __all__ = ["DEFAULT_MAX_RUNS", "DrainLimitError", "EnqueuedJob", "drain", "enqueued_jobs"]
@@ -107,9 +108,11 @@ def drain(
         runs += 1
 
     settings = WorkerOptions.from_kwargs(worker_options).run_settings(limited)
-    runner = JobRunner(engine, settings, count)
+    runner = new_runner(engine, settings, count)
     try:
-        with runner.open_connections() as connections:
+        runner.start_keeping_owner()
+        opened: Any = runner.open_connections()
+        with opened as connections:
             while runner.process_one(connections):
                 pass
     except _LimitReached:
@@ -129,14 +132,17 @@ class EnqueuedJob:
     payload: Any
     #: Runs so far that ended with an outcome (0 until its first retry).
     attempts: int
+    #: When it is due (its own due time, also while a worker holds its lease).
     process_at: datetime
 
 
 def _queued(queue: str | None, job_type: str | None) -> Select[Any]:
-    """The queued jobs, optionally of one queue and one job type, in the order they are due."""
+    """The queued jobs, optionally of one queue and one job type, in the order they are due
+    (a leased job at its own due time, not its lease's expiry)."""
+    due_at = DUE_AT.label("process_at")
     query = select(
-        JOB.c.job_id, JOB.c.queue, JOB.c.job_type, JOB.c.payload, JOB.c.attempts, JOB.c.process_at
-    ).order_by(JOB.c.process_at, JOB.c.seq)
+        JOB.c.job_id, JOB.c.queue, JOB.c.job_type, JOB.c.payload, JOB.c.attempts, due_at
+    ).order_by(DUE_AT, JOB.c.seq)
     if queue is not None:
         query = query.where(JOB.c.queue == queue)
     if job_type is not None:

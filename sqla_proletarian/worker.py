@@ -395,8 +395,13 @@ class QueueWorker:
                     "queue-worker-shutdown-timeout",
                     worker_id=self.worker_id,
                     threads=",".join(unfinished),
-                    hint="jobs still running are rolled back when the process exits and "
-                    "will run again",
+                    hint=(
+                        "the leases of jobs still running were released: they run again at "
+                        "once, and what their handlers still write is discarded"
+                        if self.options.lease_seconds is not None
+                        else "jobs still running are rolled back when the process exits and "
+                        "will run again"
+                    ),
                 )
             if self.options.on_shutdown is not None:
                 try:
@@ -684,7 +689,13 @@ def create_queue_worker(engine: Engine, handler: Callable[..., Any], **options: 
     idle workers at once through LISTEN/NOTIFY; True polls only, for transaction-pooling
     proxies) and ``periodic_jobs`` (a list of ``PeriodicJob``: the worker enqueues their
     occurrences, each once however many workers have them, checking at most once per
-    polling interval, between jobs).
+    polling interval, between jobs), ``lease_seconds`` (None: transaction mode, each
+    handler runs inside the transaction that claimed its job; a number: lease mode, the
+    claim commits a lease of that many seconds and the handler runs with no transaction
+    open, for long jobs; see docs/modes.md), ``heartbeat_interval`` (lease mode: seconds
+    between renewals of the worker's leases, ``lease_seconds / 3``) and ``job_timeout``
+    (lease mode: seconds after which a running job is failed with JobTimeoutError, retried
+    per the retry strategy, and its handler asked to stop through ``job.cancel_requested``).
 
     A worker runs once: ``start()`` after a stop raises ConfigurationError. ``stop()`` starts
     no job from the moment it is called, may be called more than once and from any thread
@@ -703,7 +714,8 @@ def process_next_job(engine: Engine, handler: Callable[..., Any], **options: Any
 
     Takes the worker options that apply to one job (``queue``, ``retry_strategy``,
     ``failed_job_handler``, ``handler_mode``, ``worker_id``, ``serializer``, ``clock``,
-    ``max_unclean_ends``, ``reconnect_grace``). Database errors are raised to the caller.
+    ``max_unclean_ends``, ``reconnect_grace``, ``lease_seconds``, ``heartbeat_interval``,
+    ``job_timeout``). Database errors are raised to the caller.
     """
     settings = WorkerOptions.from_kwargs(options).run_settings(handler)
     return new_runner(engine, settings).process_one()

@@ -45,6 +45,8 @@ NOTICE_FIELDS = ("done", "count", "subject")
 NOTICES = {
     "retried": "{count} failed job(s) put back in the queue.",
     "cancelled": "Job {subject} cancelled.",
+    "cancel-requested": "Job {subject} runs under a lease: its worker was asked to stop it "
+    "and archives it as cancelled within a heartbeat.",
     "not-cancelled": "Job {subject} was no longer queued: nothing was cancelled.",
     "paused": "Queue {subject} paused: its workers claim none of its jobs until resumed.",
     "resumed": "Queue {subject} resumed.",
@@ -255,7 +257,11 @@ def _plan_cancel(dash: Dashboard, request: Request) -> Plan:
 
     def perform() -> tuple[str, int, str]:
         done = actions.cancel(dash.engine, job_id)
-        return ("cancelled" if done else "not-cancelled"), int(done), str(job_id)
+        # A job under a live lease stays queued, running, until its worker stops it.
+        still = sp.get_job(dash.engine, job_id) if done else None
+        requested = still is not None and still.state == "running"
+        notice = "cancel-requested" if requested else "cancelled" if done else "not-cancelled"
+        return notice, int(done), str(job_id)
 
     return Plan("Cancel the job", f"Cancel job {job_id}? It will not run.", (), perform)
 

@@ -105,6 +105,7 @@ def test_enqueue_status_worker_failed_retry_failed_and_prune_work_a_queue_end_to
         "failed_last_hour": 0,
         "paused": False,
         "by_priority": {"0": 1},
+        "expired_leases": 0,
     }
 
     pruned = cli("prune", "--older-than", "0s", "--status", "success", "--url", url)

@@ -124,3 +124,28 @@ class Visitor:
         done = self.post(f"/actions/{action}", [*fields, ("confirm", "yes")])
         assert done.status_code == 303, done.get_data(as_text=True)
         return self.get(done.headers["Location"].removeprefix(self.environ.get("SCRIPT_NAME", "")))
+
+
+#: The lease owner that ``lease`` writes, as a lease-mode worker names itself.
+LEASE_OWNER = "worker-1@host:4242/Thread-1"
+
+
+def lease(engine: sa.Engine, job_id: uuid.UUID, *, expires_in: float, now: datetime) -> None:
+    """Put a queued job under a lease as a lease-mode worker's claim writes it: the run
+    counted in ``attempts``, ``due_at`` its own due time and ``process_at`` the lease's
+    expiry, ``expires_in`` seconds after ``now`` (before it, for an expired lease)."""
+    job = statements.JOB
+    with engine.begin() as conn:
+        due_at = conn.scalar(sa.select(job.c.process_at).where(job.c.job_id == job_id))
+        conn.execute(
+            sa.update(job)
+            .where(job.c.job_id == job_id)
+            .values(
+                lease_token=uuid.uuid4(),
+                lease_owner=LEASE_OWNER,
+                heartbeat_at=now,
+                due_at=due_at,
+                process_at=now + timedelta(seconds=expires_in),
+                attempts=job.c.attempts + 1,
+            )
+        )

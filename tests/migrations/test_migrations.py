@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import uuid
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -586,6 +587,86 @@ def test_upgrading_to_the_archived_unique_key_keeps_queued_and_archived_jobs(
         assert set(rows) == {(keyed, "success"), (failed_id, "success")}
         columns = {c["name"] for c in sa.inspect(conn).get_columns("proletarian_archived_job")}
         assert columns == set(OLD_ARCHIVE_COLUMNS)
+
+
+def test_upgrading_to_leases_keeps_queued_jobs_and_downgrading_puts_leased_ones_back_when_due(
+    empty_database: Database,
+) -> None:
+    """sqlap_0005 -> sqlap_0006 with jobs queued, one scheduled: they stay, with no lease and
+    no unclean end, and run (the scheduled one once due). Back to sqlap_0005 a job leased at
+    the time is due again at its own time (``process_at`` from ``due_at``), and the lease
+    columns are gone."""
+    engine = empty_database.engine()
+    config = library_config()
+    run(config, engine, command.upgrade, "sqlap_0005")
+    now = sp.utc_now()
+    job = sp.Job.__table__
+    with engine.connect() as conn:
+        columns_0005 = {column["name"] for column in sa.inspect(conn).get_columns(job.name)}
+    old_job = sa.table(
+        "proletarian_job",
+        *(sa.column(name, job.c[name].type) for name in sorted(columns_0005 - {"seq"})),
+    )
+    queued = {
+        f"kept-{n}": (uuid.uuid4(), now + timedelta(seconds=-1 if n < 2 else 3600))
+        for n in range(3)
+    }
+    with engine.begin() as conn:
+        conn.execute(
+            sa.insert(old_job),
+            [
+                {
+                    "job_id": job_id,
+                    "queue": "default",
+                    "job_type": job_type,
+                    "payload": "{}",
+                    "attempts": 0,
+                    "enqueued_at": now,
+                    "process_at": due,
+                    "run_order": 0,
+                }
+                for job_type, (job_id, due) in queued.items()
+            ],
+        )
+
+    run(config, engine, command.upgrade, "sqlap_0006")
+    assert versions_in_database(engine) == {"sqlap_0006"}
+    with engine.connect() as conn:
+        kept = conn.execute(
+            sa.select(job.c.job_id, job.c.lease_token, job.c.due_at, job.c.unclean_ends)
+        ).all()
+    assert sorted(kept) == sorted((job_id, None, None, 0) for job_id, _ in queued.values())
+    ran: list[str] = []
+    while sp.process_next_job(engine, lambda job_type, payload: ran.append(job_type)):
+        pass
+    assert ran == ["kept-0", "kept-1"]
+    later = now + timedelta(hours=2)
+    assert sp.process_next_job(engine, lambda t, p: ran.append(t), clock=lambda: later)
+    assert ran == ["kept-0", "kept-1", "kept-2"]
+
+    due = now - timedelta(seconds=5)
+    with engine.begin() as conn:
+        leased = sp.enqueue(conn, "leased-at-downgrade", clock=lambda: due)
+        conn.execute(
+            sa.update(job)
+            .where(job.c.job_id == leased)
+            .values(
+                lease_token=uuid.uuid4(),
+                lease_owner="w@host:1/MainThread",
+                heartbeat_at=now,
+                due_at=due,
+                process_at=now + timedelta(seconds=60),
+                attempts=1,
+            )
+        )
+    run(config, engine, command.downgrade, "sqlap_0005")
+    assert versions_in_database(engine) == {"sqlap_0005"}
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(old_job.c.job_id, old_job.c.process_at)).all() == [
+            (leased, due)
+        ]
+        columns = {column["name"] for column in sa.inspect(conn).get_columns("proletarian_job")}
+        assert columns == columns_0005
 
 
 #: The archive's columns in sqlap_0004.
