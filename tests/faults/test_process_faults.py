@@ -283,15 +283,15 @@ def test_workers_frozen_past_their_lease_commit_nothing_late(
         # The run logs it after its handler's done line.
         if not fh.wait_until(fenced, timeout=5):
             problems.append(f"{worker.name} logged no lease-lost for its late run of {job_id}")
+    drain = db.wait_drained(time.monotonic(), timeout=30, give_up=lambda: fleet.alive() == 0)
+    if drain is None:
+        problems.append("the queue was not drained after the frozen workers resumed")
+    check = fleet.check(strict=False)
     early_job = next(job_id for job_id in slow_ids if job_id in early.starts)
     late_end = [run[2] for run in early.runs if run[0] == early_job]
     new_end = [run[2] for worker in live for run in worker.runs if run[0] == early_job]
     if not (late_end and new_end and float(late_end[0] or "inf") < float(new_end[0] or 0)):
         problems.append(f"{early.name}'s late run of {early_job} did not end during the new run")
-    drain = db.wait_drained(time.monotonic(), timeout=30, give_up=lambda: fleet.alive() == 0)
-    if drain is None:
-        problems.append("the queue was not drained after the frozen workers resumed")
-    check = fleet.check(strict=False)
     # Only the frozen runs may overlap the runs that took their expired leases.
     check.overlapping = [job_id for job_id in check.overlapping if job_id not in slow_ids]
     alive = fleet.alive()
