@@ -120,8 +120,10 @@ class WorkerProcess:
         self.seen: Counter[str] = Counter()
         self.starts: list[str] = []
         self.dones: list[str] = []
+        #: Runs whose handler raised before its end (its job.session write failed).
+        self.aborted: list[str] = []
         #: Each handler run as [job id, start, end] (monotonic; end None while it runs):
-        #: from its start line to its done line, or to the process's end.
+        #: from its start line to its done or aborted line, or to the process's end.
         self.runs: list[list[str | float | None]] = []
 
     def take(self, line: str) -> None:
@@ -130,8 +132,8 @@ class WorkerProcess:
         if word == "start":
             self.starts.append(rest)
             self.runs.append([rest, time.monotonic(), None])
-        elif word == "done":
-            self.dones.append(rest)
+        elif word in ("done", "aborted"):
+            (self.dones if word == "done" else self.aborted).append(rest)
             for run in reversed(self.runs):
                 if run[0] == rest and run[2] is None:
                     run[2] = time.monotonic()
@@ -249,7 +251,7 @@ class Fleet:
         be running its first handler after another run archived it)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if all(len(w.starts) == len(w.dones) for w in self.slots if w.alive()):
+            if all(len(w.starts) == len(w.dones) + len(w.aborted) for w in self.slots if w.alive()):
                 return
             time.sleep(0.05)
 
@@ -259,7 +261,8 @@ class Fleet:
 
     def check(self, strict: bool) -> Check:
         self.settle()
-        result = self.db.check(self.starts(), strict, self.rolled_back())
+        effects = any("--effects" in args for args in self.args)
+        result = self.db.check(self.starts(), strict, self.rolled_back(), effects)
         result.overlapping = self.overlapping()
         return result
 
@@ -291,6 +294,17 @@ class Fleet:
                 match = JOB_ID.search(line)
                 if match:
                     found[match.group(1)] += 1
+        return found
+
+    def lost_outcomes(self) -> set[str]:
+        """Lease mode: jobs a live worker ran whose outcome it could not write (the run's
+        connection was lost), and so ran again: the only reruns without a dead or frozen
+        worker."""
+        found = {job_id for worker in self.every for job_id in worker.aborted}
+        for line in events(self.logs(), "outcome-recording-error"):
+            match = JOB_ID.search(line)
+            if match:
+                found.add(match.group(1))
         return found
 
     def evidence(self, check: Check, limit: int = 3) -> str:

@@ -35,6 +35,8 @@ fault_worker = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fault_worker)
 #: The table where the worker program records each handler run (job_id, pid).
 RUNS: sa.Table = fault_worker.RUNS
+#: The handler's writes through job.session (``--effects``), in the same MetaData.
+EFFECTS: sa.Table = fault_worker.EFFECTS
 
 JOB = sp.Job.__table__
 ARCHIVE = sp.ArchivedJob.__table__
@@ -71,6 +73,16 @@ def is_transient_error(exc: BaseException) -> bool:
     return isinstance(exc, sa.exc.DBAPIError) and (
         exc.connection_invalidated or sp.errors.is_transient(exc)
     )
+
+
+def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
+    """Poll ``condition`` until it is true (True) or ``timeout`` seconds passed (False)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 # --- the database -------------------------------------------------------------------------
@@ -248,7 +260,11 @@ class FaultDatabase:
     # --- the check --------------------------------------------------------------------------
 
     def check(
-        self, starts: Counter[str], strict: bool, rolled_back: Counter[str] | None = None
+        self,
+        starts: Counter[str],
+        strict: bool,
+        rolled_back: Counter[str] | None = None,
+        effects: bool = False,
     ) -> Check:
         """Everything the scenario promises, read from the database.
 
@@ -256,10 +272,12 @@ class FaultDatabase:
         ``rolled_back`` the runs a live worker gave up (lock conflict, lost connection: not
         counted). The archive's ``attempts`` counts every run with an outcome and every run
         that ended with its worker (killed), so it is the attempts the job's kind calls for
-        plus its unclean ends; ``strict`` says no run may have ended uncleanly.
+        plus its unclean ends; ``strict`` says no run may have ended uncleanly. ``effects``:
+        the handlers wrote through job.session, so each succeeded job must have its writes
+        committed exactly once, and each failed one none.
         """
 
-        def read() -> tuple[list[Any], list[Any], set[uuid.UUID], int]:
+        def read() -> tuple[list[Any], list[Any], set[uuid.UUID], int, list[Any]]:
             with self.engine.connect() as conn:
                 archived = conn.execute(
                     sa.select(
@@ -269,10 +287,12 @@ class FaultDatabase:
                 runs = conn.execute(sa.select(RUNS.c.job_id)).all()
                 queued = set(conn.execute(sa.select(JOB.c.job_id)).scalars())
                 ledger = conn.execute(sa.select(sa.func.count()).select_from(LEDGER)).scalar()
-            return archived, runs, queued, int(ledger or 0)
+                written = conn.execute(sa.select(EFFECTS.c.job_id)).all()
+            return archived, runs, queued, int(ledger or 0), written
 
-        archived, run_rows, queued, ledger = self.retrying(read)
+        archived, run_rows, queued, ledger, written = self.retrying(read)
         runs = Counter(uuid.UUID(job_id) for (job_id,) in run_rows)
+        committed = Counter(uuid.UUID(job_id) for (job_id,) in written)
         by_id = {row.job_id: row for row in archived}
         result = Check(jobs=len(self.jobs), pending=len(queued), ledger=ledger)
         result.disturbed = self.restarted_by_others()
@@ -303,6 +323,11 @@ class FaultDatabase:
                 result.wrong.append(f"{job_id} ({kind}): {', '.join(wrong)}; error {row.error}")
             if runs[job_id] > expect.runs:
                 result.duplicated.append(job_id)
+            if effects and committed[job_id] != (row.status == "success"):
+                result.effects_wrong.append(
+                    f"{job_id} ({kind}, {row.status}): its handler's writes committed "
+                    f"{committed[job_id]} times"
+                )
         return result
 
 
@@ -326,6 +351,9 @@ class Check:
     disturbed: bool = False
     #: Jobs that ran twice at the same time (never allowed: the fleet's start/done lines).
     overlapping: list[str] = field(default_factory=list)
+    #: Jobs whose handler's job.session writes were not committed once (success) or not at
+    #: all (failure), with ``--effects``.
+    effects_wrong: list[str] = field(default_factory=list)
 
     def problems(self, max_duplicated: int) -> list[str]:
         found = []
@@ -341,6 +369,11 @@ class Check:
             found.append(f"{self.ledger} run records left in the crash ledger")
         if self.wrong:
             found.append(f"{len(self.wrong)} jobs ended wrongly: " + "; ".join(self.wrong[:3]))
+        if self.effects_wrong:
+            found.append(
+                f"{len(self.effects_wrong)} jobs' handler writes committed wrongly: "
+                + "; ".join(self.effects_wrong[:3])
+            )
         if self.overlapping:
             found.append(
                 f"{len(self.overlapping)} jobs ran twice at the same time, e.g. "

@@ -11,6 +11,9 @@ import sqlalchemy as sa
 from fault_harness import ARCHIVE
 
 BUSY_ARGS = ["--threads=2", "--sleep-min-ms=10", "--sleep-max-ms=40", "--polling-interval=0.02"]
+#: Lease mode, with the handler writing through job.session (checked: once per success); the
+#: lease outlasts the fault, so no live worker's job is taken while it runs.
+LEASE_ARGS = ["--lease-seconds=3", "--effects"]
 
 
 def finish(
@@ -22,10 +25,12 @@ def finish(
     problems: list[str],
     max_duplicated: int,
     strict: bool = False,
+    leases: bool = False,
 ) -> None:
     """Wait for the queue to drain, check everything, record the row, fail on problems.
 
-    ``strict``: no run may count as an unclean end (the fault killed no worker).
+    ``strict``: no run may count as an unclean end (the fault killed no worker). ``leases``:
+    a job may run twice only where a run's outcome could not be written.
     """
     since = time.monotonic() - (time.time() - fault_end)
     drain = db.wait_drained(since, timeout=60, give_up=lambda: fleet.alive() == 0)
@@ -36,6 +41,11 @@ def finish(
     if alive != len(fleet.slots):
         problems.append(f"only {alive} of {len(fleet.slots)} workers alive at the end")
     problems += check.problems(max_duplicated=max_duplicated)
+    if leases:
+        rerun = [str(job_id) for job_id in check.duplicated]
+        unexplained = sorted(set(rerun) - fleet.lost_outcomes())
+        if unexplained:
+            problems.append(f"jobs ran twice with their outcome written: {unexplained[:3]}")
     recover = db.first_archived_after(fault_end)
     fr.record(scenario, db, check, faults, f"{alive}/{len(fleet.slots)}", recover, drain, problems)
     assert not problems, "\n".join(problems) + "\n" + fleet.evidence(check)
@@ -103,23 +113,67 @@ def test_long_jobs_outlive_a_server_restart_alone_and_uncharged(
     )
 
 
+def test_leased_jobs_survive_a_server_restart(fault_db: fh.FaultDatabase, fleet: ff.Fleet) -> None:
+    """Lease mode: the server restarts while workers run short jobs and two jobs longer than
+    their lease. The handlers run on (no transaction is open), the heartbeats renew the
+    leases once the server is back, no job runs twice at the same time, and each job's
+    handler writes commit once."""
+    db = fault_db
+    slow = {str(job_id) for job_id in db.enqueue(["slow"] * 2)}
+    db.enqueue(fh.job_mix(160))
+    # A restart takes well under a second here: a lease of 2 s outlasts it.
+    fleet.start(2, [*BUSY_ARGS, "--slow-ms=3000", "--lease-seconds=2", "--effects"])
+    fleet.wait_ready()
+    problems: list[str] = []
+
+    def running() -> bool:
+        return slow <= {job for worker in fleet.slots for job in worker.starts}
+
+    if not fh.wait_until(running, timeout=30) or not db.wait_archived(30, timeout=30):
+        problems.append("the workers did not start working")
+    db.restart_server()
+    restarted = time.time()
+    if db.pending() <= len(slow):
+        problems.append("the queue was empty after the restart: too few jobs to test it")
+    # Jobs whose outcome could not be written when the server went down run again (the lost
+    # write ends their lease at once, as an unclean end): one a thread at most.
+    finish(
+        "3L server restart, leases",
+        db,
+        fleet,
+        "1 restart, 2 jobs over the 2 s lease",
+        restarted,
+        problems,
+        max_duplicated=4,
+        leases=True,
+    )
+
+
+def kill_sessions(
+    db: fh.FaultDatabase, fleet: ff.Fleet, args: list[str], seconds: float, jobs: int
+) -> tuple[int, int, float]:
+    """Two busy workers; end every session of theirs every 0.3 s for ``seconds``, keeping
+    the queue fed: the sessions killed, the rounds, and when the last round ended."""
+    db.enqueue(fh.job_mix(jobs))
+    fleet.start(2, args)
+    fleet.wait_ready()
+    killed = rounds = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if db.pending() < jobs // 4:
+            db.enqueue(fh.job_mix(jobs // 2))
+        killed += db.terminate_connections()
+        rounds += 1
+        time.sleep(0.3)
+    return killed, rounds, time.time()
+
+
 def test_workers_survive_sessions_killed_by_the_server(
     fault_db: fh.FaultDatabase, fleet: ff.Fleet
 ) -> None:
     """Every worker session is ended server-side every 0.3 s for 4 s: no job is lost."""
     db = fault_db
-    db.enqueue(fh.job_mix(200))
-    fleet.start(2, BUSY_ARGS)
-    fleet.wait_ready()
-    killed = rounds = 0
-    end = time.monotonic() + 4.0
-    while time.monotonic() < end:
-        if db.pending() < 50:
-            db.enqueue(fh.job_mix(100))
-        killed += db.terminate_connections()
-        rounds += 1
-        time.sleep(0.3)
-    ended = time.time()
+    killed, rounds, ended = kill_sessions(db, fleet, BUSY_ARGS, seconds=4.0, jobs=200)
     problems = [] if killed else ["no worker session was ever found to kill"]
     # Each round can take the running jobs (two threads in each of two workers) with it,
     # and charges none of them: the workers live.
@@ -132,6 +186,28 @@ def test_workers_survive_sessions_killed_by_the_server(
         problems,
         max_duplicated=4 * rounds,
         strict=True,
+    )
+
+
+def test_leased_jobs_survive_sessions_killed_by_the_server(
+    fault_db: fh.FaultDatabase, fleet: ff.Fleet
+) -> None:
+    """Lease mode: every worker session is ended server-side every 0.3 s for 3 s, the
+    heartbeat's too: no job is lost, none runs twice at the same time, and each job's
+    handler writes commit once."""
+    db = fault_db
+    args = [*BUSY_ARGS, *LEASE_ARGS]
+    killed, rounds, ended = kill_sessions(db, fleet, args, seconds=3.0, jobs=160)
+    problems = [] if killed else ["no worker session was ever found to kill"]
+    finish(
+        "4L sessions killed, leases",
+        db,
+        fleet,
+        f"{killed} sessions in {rounds} rounds",
+        ended,
+        problems,
+        max_duplicated=4 * rounds,
+        leases=True,
     )
 
 

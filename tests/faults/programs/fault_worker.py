@@ -15,10 +15,14 @@ failure, both after two attempts.
 
 Every handler run that reaches its end inserts a row into ``fault_run`` over its own
 autocommit connection (so it is counted even if the job's transaction rolls back), then
-prints ``done <job_id>``; it prints ``start <job_id>`` when it begins. The test reads these
-lines to time its faults. ``ready`` is printed once the worker has started. Every line
-on stdout starts with the pid of the process that wrote it, the zygote's own lines
-(``spawned TOKEN PID``, ``exit PID CODE``) too.
+prints ``done <job_id>``; with ``--effects`` it first inserts a row into ``fault_effect``
+through ``job.session``, a write that commits only with the job's outcome (``aborted
+<job_id>`` if that write raised: a lost connection). It prints
+``start <job_id>`` when it begins (and ``sleeping <job_id>`` when a slow or long run starts
+its sleep). The test reads these lines to time its faults.
+``ready`` is printed once the worker has started. Every line on stdout starts with the pid
+of the process that wrote it, the zygote's own lines (``spawned TOKEN PID``,
+``exit PID CODE``) too.
 """
 
 from __future__ import annotations
@@ -48,6 +52,15 @@ import sqla_proletarian as sp
 RUNS = sa.Table(
     "fault_run",
     sa.MetaData(),
+    sa.Column("token", sa.String(32), primary_key=True),
+    sa.Column("job_id", sa.String(36), nullable=False),
+    sa.Column("pid", sa.Integer, nullable=False),
+    sa.Column("attempt", sa.Integer, nullable=False),
+)
+#: The handler's own writes (``--effects``): committed with the job's outcome or not at all.
+EFFECTS = sa.Table(
+    "fault_effect",
+    RUNS.metadata,
     sa.Column("token", sa.String(32), primary_key=True),
     sa.Column("job_id", sa.String(36), nullable=False),
     sa.Column("pid", sa.Integer, nullable=False),
@@ -121,9 +134,17 @@ def make_handler(args: argparse.Namespace, recorder: RunRecorder) -> Any:
         say(f"start {job.job_id}")
         kind = job.payload["kind"]
         if kind == "long" or (kind == "slow" and recorder.count(job.job_id) == 0):
+            say(f"sleeping {job.job_id}")
             time.sleep(args.slow_ms / 1000)
         else:
             time.sleep(random.uniform(args.sleep_min_ms, args.sleep_max_ms) / 1000)
+        if args.effects:
+            effect = {"token": uuid.uuid4().hex, "job_id": str(job.job_id), "pid": os.getpid()}
+            try:
+                job.session.execute(sa.insert(EFFECTS).values(**effect, attempt=job.attempts))
+            except Exception:
+                say(f"aborted {job.job_id}")  # the run ends here, with no done line
+                raise
         recorder.record(job.job_id, job.attempts)
         say(f"done {job.job_id}")
         _local.handler_done = True
@@ -160,6 +181,15 @@ def make_engine(args: argparse.Namespace) -> sa.Engine:
 
     if args.kill_on_checkout:
         kill_on_checkout(engine, args.kill_on_checkout)
+
+    if args.heartbeat_delay:
+
+        @sa.event.listens_for(engine, "checkout")
+        def slow_heartbeat(dbapi_connection: Any, record: Any, proxy: Any) -> None:
+            # A starved heartbeat: a late handler's outcome then meets the token's fence
+            # before the heartbeat can tell the handler its lease is gone.
+            if threading.current_thread().name.endswith("-heartbeat"):
+                time.sleep(args.heartbeat_delay)
 
     if args.kill_before_commit:
 
@@ -218,6 +248,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-unclean-ends", default="3", help="a number, or 'none'")
     parser.add_argument("--signals", action="store_true", help="install_signal_handlers=True")
     parser.add_argument(
+        "--lease-seconds", type=float, default=None, help="lease mode, with leases this long"
+    )
+    parser.add_argument(
+        "--effects", action="store_true", help="the handler writes a row through job.session"
+    )
+    parser.add_argument(
+        "--heartbeat-delay", type=float, default=0.0, help="seconds each heartbeat waits first"
+    )
+    parser.add_argument(
         "--kill-before-commit",
         type=float,
         default=0.0,
@@ -252,6 +291,7 @@ def main(argv: list[str]) -> int:
         retry_strategy=retry_once,
         install_signal_handlers=args.signals,
         max_unclean_ends=max_unclean,
+        lease_seconds=args.lease_seconds,
         worker_id=f"fault-worker-{os.getpid()}",
     )
     worker.start()
