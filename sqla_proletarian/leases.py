@@ -203,6 +203,8 @@ class LeasedRun:
     claimed_at: datetime | None = None
     #: Whether its lease was given back (released or ended to be counted).
     released: bool = False
+    #: The job's session while its handler runs.
+    session: LeaseSession | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -346,11 +348,23 @@ class LeaseRunner(RunnerBase):
             return
         for run in released:
             run.signal.request("stopping")
+        # SQLite: a handler whose session is open holds the database's write lock, so its
+        # lease is released when it returns (see _end); nothing could be written before.
+        locked = [
+            run
+            for run in released
+            if self.dialect.claim_takes_write_lock
+            and run.session is not None
+            and run.session.opened
+        ]
+        released = [run for run in released if run not in locked]
+        self._forget(*locked)
+        if not released:
+            return
         try:
             self._execute(sql.release_leases([r.job_id for r in released], self._tokens(released)))
         except Exception as exc:
-            # SQLite: a stuck handler's session holds the write lock; its late end
-            # releases the lease instead.
+            # Its late end tries again.
             log_event(logging.WARNING, "lease-release-error", error=repr(exc))
             return
         finally:
@@ -468,7 +482,7 @@ class LeaseRunner(RunnerBase):
         job = run.job
         fields = self._fields(job)
         payload, decode_error = self._payload(job)
-        session = LeaseSession(self.engine, self.dialect)
+        session = run.session = LeaseSession(self.engine, self.dialect)
         context = run.context = self._context(job, payload, session, run.signal)
         if run.unclean_ends:
             log_event(logging.WARNING, "job-interrupted", **fields, unclean_ends=run.unclean_ends)

@@ -91,8 +91,10 @@ def test_a_sigkilled_workers_job_runs_again_once_its_lease_expires_with_one_uncl
     engine: sa.Engine, workers: Workers, tmp_path: Path
 ) -> None:
     """The kill leaves the job leased; once the 1 s lease expires a second worker's ordinary
-    poll takes it, with unclean_ends 1 and attempts counting both runs; it is archived once,
-    with the second run's write only."""
+    poll takes it, with unclean_ends 1 and the attempts column counting both runs, while the
+    handler sees its first attempt again (runs that ended uncleanly are not counted there, as
+    in transaction mode); it is archived once, counting both runs, with the second run's
+    write only."""
     hold = tmp_path / "hold"
     job_id = enqueue_committed(engine, "hang")
     first = workers.start("--hang-type", "hang")
@@ -109,7 +111,7 @@ def test_a_sigkilled_workers_job_runs_again_once_its_lease_expires_with_one_uncl
 
     second = workers.start("--hang-type", "hang", "--hold-file", str(hold), "--exit-after", "1")
     assert wait_for(lambda: workers.started(job_id, second) is not None, 30)
-    assert workers.started(job_id, second) == ["start", str(job_id), "2", str(second.pid)]
+    assert workers.started(job_id, second) == ["start", str(job_id), "1", str(second.pid)]
     running = job_row(engine, job_id)
     assert (running.unclean_ends, running.attempts) == (1, 2)
     assert running.lease_token not in (None, left.lease_token)
@@ -181,9 +183,9 @@ def test_a_transaction_mode_worker_takes_over_an_expired_lease_counting_the_kill
     engine: sa.Engine, workers: Workers
 ) -> None:
     """Any worker's ordinary poll rescues an expired lease, a transaction-mode one too: the
-    killed run counts as one unclean end and, its claim having counted it, one attempt (the
-    handler sees attempts 2); a retry after it clears the lease, so with max_unclean_ends 2
-    the job is not taken for crashed, and the archive counts the three runs."""
+    killed run counts as one unclean end, which the handler's attempts leave out (it sees 1,
+    then 2 on its retry); a retry after it clears the lease, so with max_unclean_ends 2 the
+    job is not taken for crashed, and the archive counts the three runs."""
     job_id = enqueue_committed(engine, "hang")
     first = workers.start("--hang-type", "hang")
     assert wait_for(lambda: workers.started(job_id, first) is not None, 30)
@@ -207,7 +209,7 @@ def test_a_transaction_mode_worker_takes_over_an_expired_lease_counting_the_kill
     assert retried is not None, (runs, archived(engine))
     assert retried.lease_token is None
     assert sp.process_next_job(engine, handler, **options)
-    assert runs == [2, 3]
+    assert runs == [1, 2]
     done = archived_job(engine, job_id)
     assert done is not None and (done.status, done.attempts) == ("success", 3)
     assert notes(engine) == ["run 2"]
