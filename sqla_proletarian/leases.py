@@ -73,6 +73,8 @@ class LeaseSession(JobSession):
         self._handling = False
         #: When the job's connection was taken (time.monotonic()).
         self.opened_at = 0.0
+        #: Why the job's connection could not be taken, if it could not.
+        self.open_error: Exception | None = None
         super().__init__(None)  # type: ignore[arg-type]
 
     @property
@@ -89,15 +91,29 @@ class LeaseSession(JobSession):
     @property
     def job_connection(self) -> Connection:
         if self._conn is None:
-            conn = self._stack.enter_context(self._dialect.claim_connection(self._engine))
-            self._dialect.begin_claim(conn)
-            self._conn = conn
+            self._conn = self._open()
             self.opened_at = time.monotonic()
         return self._conn
 
     @job_connection.setter
     def job_connection(self, value: object) -> None:
         """JobSession.__init__ sets it; the connection is taken on first use."""
+
+    def _open(self) -> Connection:
+        """A connection of the pool in a transaction; a second try if the pool's was dead
+        (a session the server ended since it was pooled), so the handler does not fail."""
+        for last in (False, True):
+            try:
+                conn = self._stack.enter_context(self._dialect.claim_connection(self._engine))
+                self._dialect.begin_claim(conn)
+                return conn
+            except Exception as exc:
+                with contextlib.suppress(Exception):
+                    self._stack.close()
+                if last or not is_transient(exc):
+                    self.open_error = exc
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     @property
     def opened(self) -> bool:
@@ -106,8 +122,11 @@ class LeaseSession(JobSession):
 
     @property
     def lost(self) -> bool:
-        """Whether the job's connection was taken and has been lost since."""
-        return self._conn is not None and self._conn.invalidated
+        """Whether the job's connection was lost (or could not be taken: the server was out
+        of reach)."""
+        if self._conn is None:
+            return self.open_error is not None and is_transient(self.open_error)
+        return self._conn.invalidated
 
     @contextlib.contextmanager
     def handling(self) -> Iterator[None]:
@@ -123,6 +142,7 @@ class LeaseSession(JobSession):
         the session's was lost)."""
         if self.lost:
             self.release()
+            self.open_error = None
         conn = self.job_connection
         if not conn.in_transaction():
             self._dialect.begin_claim(conn)
@@ -546,9 +566,6 @@ class LeaseRunner(RunnerBase):
                 # The release waited for this session (SQLite's write lock): now it can go.
                 self._give_back(run, charged=False)
             return None, None
-        if error is not None and session.lost:
-            self._lost(run, session, error)
-            return None, None
         reason = run.signal.reason
         if reason == "lease-lost":
             session.abandon()
@@ -564,6 +581,10 @@ class LeaseRunner(RunnerBase):
                 session.finish()
             except Exception as exc:
                 error = exc
+        if error is not None and session.lost:
+            # Not the handler's failure: its session went with the connection.
+            self._lost(run, session, error)
+            return None, None
         if error is None:
             if not self._write(run, session, "success", None):
                 return None, None

@@ -301,10 +301,12 @@ class Fleet:
         connection was lost), and so ran again: the only reruns without a dead or frozen
         worker."""
         found = {job_id for worker in self.every for job_id in worker.aborted}
-        for line in events(self.logs(), "outcome-recording-error"):
-            match = JOB_ID.search(line)
-            if match:
-                found.add(match.group(1))
+        logs = self.logs()
+        for event in ("outcome-recording-error", "job-connection-lost"):
+            for line in events(logs, event):
+                match = JOB_ID.search(line)
+                if match:
+                    found.add(match.group(1))
         return found
 
     def evidence(self, check: Check, limit: int = 3) -> str:
