@@ -560,3 +560,39 @@ def test_a_transaction_mode_and_a_lease_mode_worker_on_one_queue_run_each_job_on
     assert calls == Counter(range(200))
     assert {row.status for row in archived(engine)} == {"success"}
     assert sum(transactional.summary().values()) + sum(leasing.summary().values()) == 200
+
+
+def test_a_batched_lease_claim_runs_each_job_once_each_completed_with_its_own_writes(
+    database: Any, engine: sa.Engine
+) -> None:
+    """batch_size=5 claims five leases in one statement (SQLite: one); each job completes
+    on its own, with its own write, and a failing one is retried alone."""
+    with Session(engine) as session:
+        sp.enqueue_many(session, [("batched", n) for n in range(60)])
+        session.commit()
+    calls: Counter[int] = Counter()
+    lock = threading.Lock()
+
+    def handler(job: sp.JobContext) -> None:
+        with lock:
+            calls[job.payload] += 1
+        job.session.add(Note(text=f"job {job.payload} attempt {job.attempts}"))
+        if job.payload == 7 and job.attempts == 1:
+            raise RuntimeError("fails once")
+
+    worker = sp.create_queue_worker(
+        database.engine(),
+        handler,
+        handler_mode="advanced",
+        worker_threads=3,
+        batch_size=5,
+        retry_strategy=lambda job, exc: sp.RetryStrategy(retries=1, delays=[0]),
+        **LONG_LEASE,
+    )
+    with running(worker):
+        assert wait_for(lambda: count(engine, sp.ArchivedJob) == 60, timeout=60)
+    assert calls == Counter({**dict.fromkeys(range(60), 1), 7: 2})
+    assert sorted(notes(engine)) == sorted(
+        [f"job {n} attempt 1" for n in range(60) if n != 7] + ["job 7 attempt 2"]
+    )
+    assert worker.summary() == {"succeeded": 60, "retried": 1, "failed": 0}
