@@ -7,12 +7,13 @@ killed worker's job.
 Parts (``--only``): ``drain`` (4 threads at batch_size 1 and the batch sizes of
 ``--batch-sizes``, beside the raw-SQL loop), ``vacuum`` (PostgreSQL: the worker's poll of an
 empty queue after ``--deletes`` deletes and a VACUUM, with no job, a leased job or a
-transaction-mode job running all along; and ``--short`` short jobs drained while one long job
-runs), ``connections`` (PostgreSQL: what a worker of 8 threads running 8 long jobs has
-checked out of its pool, and its sessions in pg_stat_activity), ``recovery`` (seconds from the
-SIGKILL of a lease-mode worker process in a job to the job's second start in another worker,
-for lease_seconds 2 and 5). Servers: ``postgresql``, ``mariadb``. Prints one table of medians
-(min-max) and ratios and writes it into its own section of benchmarks/results.md.
+transaction-mode job running all along), ``beside-long`` (``--short`` short jobs drained while
+one long job runs, and with none), ``connections`` (PostgreSQL: what a worker of 8 threads
+running 8 long jobs has checked out of its pool, and its sessions in pg_stat_activity),
+``recovery`` (seconds from the SIGKILL of a lease-mode worker process in a job to the job's
+second start in another worker, for lease_seconds 2 and 5). Servers: ``postgresql``,
+``mariadb``. Prints one table of medians (min-max) and ratios and writes it into its own
+section of benchmarks/results.md.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from benchmarks.servers import Server, durable_servers
 from sqla_proletarian import statements as sql
 
 SECTION = "leases"
-PARTS = ("drain", "vacuum", "connections", "recovery")
+PARTS = ("drain", "vacuum", "beside-long", "connections", "recovery")
 SERVERS = ("postgresql", "mariadb")
 #: The lease of the drains and the long jobs: far longer than any of them needs.
 LEASE = 60.0
@@ -161,13 +162,16 @@ def best_batches(results: Results, server: Server, args: argparse.Namespace) -> 
 
 
 def vacuum_polls(
-    engine: sa.Engine, deletes: int, seconds: float, options: dict[str, Any] | None
+    engine: sa.Engine, deletes: int, seconds: float, options: dict[str, Any] | None, later: bool
 ) -> float:
     """Polls/s of an empty queue after ``deletes`` jobs were queued and deleted and the table
-    VACUUMed, while one long job (of ``options``' mode) runs all along, or none."""
+    VACUUMed, while one long job (of ``options``' mode) runs all along, or none (``later``:
+    one job due in an hour stays in the table, as a leased job's row does)."""
     fresh_tables(engine)
     with engine.begin() as conn:
         conn.exec_driver_sql("ALTER TABLE proletarian_job SET (autovacuum_enabled = false)")
+        if later:
+            sp.enqueue(conn, LONG, {"n": 0}, process_in=3600)
     with long_jobs_running(engine, options):
         fill(engine, deletes)
         with engine.begin() as conn:
@@ -203,29 +207,39 @@ def drain_beside_long(engine: sa.Engine, jobs: int, options: dict[str, Any], lon
 
 
 def vacuum(results: Results, server: Server, args: argparse.Namespace) -> list[Measure]:
+    """Polls after many deletes and a VACUUM, with a long job running or not (PostgreSQL)."""
+    if not server.is_postgresql:
+        return []
+    engine = server.engine()
+    polls = (
+        f"polls of an empty queue after {args.deletes:,} deletes and a VACUUM,"
+        f" {server.label}: the worker's poll, 1 thread"
+    )
+    none = "no job running"
+    cases: list[tuple[str, dict[str, Any] | None, bool]] = [
+        (none, None, False),
+        ("no job running, one job due in an hour in the table", None, True),
+    ]
+    cases += [(f"one {mode} job running", options, False) for mode, options in modes().items()]
+    return [
+        _rate(
+            results,
+            polls,
+            name,
+            None if name == none else none,
+            "polls/s",
+            lambda options=options, later=later: vacuum_polls(
+                engine, args.deletes, args.poll_seconds, options, later
+            ),
+        )
+        for name, options, later in cases
+    ]
+
+
+def beside_long(results: Results, server: Server, args: argparse.Namespace) -> list[Measure]:
+    """Short jobs drained while one long job runs, and with none, in each mode."""
     engine = server.engine()
     found = []
-    if server.is_postgresql:
-        polls = (
-            f"polls of an empty queue after {args.deletes:,} deletes and a VACUUM,"
-            f" {server.label}: the worker's poll, 1 thread"
-        )
-        none = "no job running"
-        cases: dict[str, dict[str, Any] | None] = {none: None}
-        cases.update({f"one {mode} job running": options for mode, options in modes().items()})
-        for name, options in cases.items():
-            found.append(
-                _rate(
-                    results,
-                    polls,
-                    name,
-                    None if options is None else none,
-                    "polls/s",
-                    lambda options=options: vacuum_polls(
-                        engine, args.deletes, args.poll_seconds, options
-                    ),
-                )
-            )
     section = (
         f"drain of {args.short:,} short jobs, {server.label}, {THREADS} threads,"
         " batch_size=1, one of them running a long job all along"
@@ -392,6 +406,7 @@ def _rate(
 PART_OF: dict[str, Callable[[Results, Server, argparse.Namespace], list[Measure]]] = {
     "drain": drains,
     "vacuum": vacuum,
+    "beside-long": beside_long,
     "connections": connections,
     "recovery": recovery,
 }
@@ -440,7 +455,9 @@ def method(args: argparse.Namespace) -> list[str]:
         f"Polls: autovacuum off for the table; {args.deletes:,} jobs filled and deleted, then"
         " VACUUM, then the worker's poll in one-statement transactions for"
         f" {args.poll_seconds:g} s (after 100 to warm up), while a worker of 1 thread runs one"
-        " long job (claimed before the fill, released after the polls) or none.",
+        " long job (claimed before the fill, released after the polls) or none; a leased"
+        " job's row stays in the table (due at its lease's expiry), so a job due in an hour"
+        " stands for it in the second row.",
         f"Drain beside a long job: {args.short:,} short jobs behind one long job; the worker's"
         " 4 threads (batch_size=1) drain them while one thread holds the long job, timed until"
         " the summary counts the short ones; the same with no long job.",
