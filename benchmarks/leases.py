@@ -490,6 +490,11 @@ def main() -> None:
         ]
         about = machine(servers)
         measures = [m for s in servers for part in parts for m in PART_OF[part](results, s, args)]
+        if not measures:
+            sys.exit(
+                f"nothing to measure for --only {','.join(sorted(args.only))}: vacuum and"
+                " connections are measured on PostgreSQL only"
+            )
         for round_number in range(1, args.rounds + 1):
             print(f"round {round_number} of {args.rounds}", flush=True)
             for measure in measures:
