@@ -33,7 +33,7 @@ source "$$SP_TESTDB_DIR/env"; \
 $(1)
 endef
 
-.PHONY: venv lint test test-pg18 test-sqla-oldest faults soak quickstart bench bench-quick bench-batches \
+.PHONY: venv lint test test-pg18 test-sqla-oldest faults soak quickstart bench bench-quick bench-batches bench-leases \
 	examples.db.install examples.db.uninstall examples.db.recreate clean
 
 venv: $(STAMP)
@@ -121,12 +121,19 @@ quickstart: venv
 
 # The benchmark, on durable PostgreSQL and MariaDB servers of its own (scripts/benchdb.sh,
 # started and stopped by it): every contender in interleaved rounds, one table printed and
-# written to benchmarks/results.md. bench-quick is the smoke run; BENCH_ARGS passes options
-# (--only NAME,..., --rounds R, --jobs N).
+# written to benchmarks/results.md; then lease mode's figures (bench-leases). bench-quick is
+# the smoke run; BENCH_ARGS passes options (--only NAME,..., --rounds R, --jobs N), LEASES_ARGS
+# those of bench-leases.
 bench bench-quick: venv
 	@$(VENV)/bin/python -c 'import pgqueuer, procrastinate, asyncpg' 2>/dev/null || \
 		$(VENV)/bin/pip install -q -e '.[postgresql,mysql,dev,bench]'
 	$(VENV)/bin/python -m benchmarks.run $(if $(filter bench-quick,$@),--quick) $(BENCH_ARGS)
+	$(VENV)/bin/python -m benchmarks.leases $(if $(filter bench-quick,$@),--quick) $(LEASES_ARGS)
+
+# Lease mode beside transaction mode: drains, polls and drains while a long job runs, the
+# connections long jobs hold, recovery after a SIGKILL; its own section of results.md.
+bench-leases: venv
+	$(VENV)/bin/python -m benchmarks.leases $(LEASES_ARGS)
 
 # The batched drain on MariaDB and PostgreSQL, counted (extra handler runs, lost job
 # transactions, run-record cleanup errors, deadlocks): its own section of results.md.

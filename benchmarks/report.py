@@ -77,7 +77,7 @@ class Row:
 
 
 def _number(value: float, unit: str) -> str:
-    if unit in ("ms", "MiB"):
+    if unit in ("ms", "MiB", "s"):
         return f"{value:,.1f}"
     return f"{value:,.0f}"
 
