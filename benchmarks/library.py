@@ -4,6 +4,7 @@ enqueue paths, and its idle latency."""
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import time
 import uuid
@@ -36,6 +37,11 @@ class EventCounter(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.counts[str(getattr(record, "event", record.getMessage()))] += 1
+        # SP_BENCH_EVENTS=FILE keeps the records too, to look into what was counted.
+        kept = os.environ.get("SP_BENCH_EVENTS")
+        if kept:
+            with open(kept, "a", encoding="utf-8") as out:
+                out.write(record.getMessage() + "\n")
 
 
 EVENTS = EventCounter()

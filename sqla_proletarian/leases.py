@@ -203,7 +203,9 @@ class LeaseConnections:
         self.close()
 
 
-RunState = Literal["claimed", "running", "ending"]
+#: "done": succeeded with nothing written through its session, its completion deferred to
+#: the end of its batch (its lease is renewed until then).
+RunState = Literal["claimed", "running", "ending", "done"]
 
 
 @dataclass(eq=False)
@@ -240,10 +242,15 @@ class LeasedRun:
         """Take the right to write the run's outcome; False if another path took it (the
         timeout, or a stop that released the lease)."""
         with self._lock:
-            if self.state == "ending":
+            if self.state in ("ending", "done"):
                 return False
             self.state = "ending"
             return True
+
+    def defer(self) -> None:
+        """Succeeded; completed with its batch's other such jobs at the batch's end."""
+        with self._lock:
+            self.state = "done"
 
 
 class LeaseRunner(RunnerBase):
@@ -426,11 +433,18 @@ class LeaseRunner(RunnerBase):
                 # No connection is held while handlers run; an idle thread keeps its own.
                 connections.release()
         connections.claimed_last = bool(runs)
-        for index, run in enumerate(runs):
-            if self._stopping():
-                self._release(runs[index:])
-                break
-            self._run(run)
+        # A batch completes its jobs that succeeded with nothing written through their
+        # sessions together, at its end; each other job completes on its own.
+        deferred: list[LeasedRun] | None = [] if len(runs) > 1 else None
+        try:
+            for index, run in enumerate(runs):
+                if self._stopping():
+                    self._release(runs[index:])
+                    break
+                self._run(run, deferred)
+        finally:
+            if deferred:
+                self._complete_together(deferred)
         return bool(runs)
 
     def _claim(self, connections: LeaseConnections) -> list[LeasedRun]:
@@ -443,6 +457,8 @@ class LeaseRunner(RunnerBase):
         runs: list[LeasedRun] = []
         self.dialect.begin_claim(conn)
         try:
+            for statement in self.dialect.lease_claim_setup:
+                conn.exec_driver_sql(statement)
             jobs = poll_due_jobs(
                 conn, self.settings.queue, now, self._batch_size, with_runs=self._with_runs
             )
@@ -498,7 +514,7 @@ class LeaseRunner(RunnerBase):
 
     # --- one job ----------------------------------------------------------------------------
 
-    def _run(self, run: LeasedRun) -> None:
+    def _run(self, run: LeasedRun, deferred: list[LeasedRun] | None = None) -> None:
         job = run.job
         fields = self._fields(job)
         payload, decode_error = self._payload(job)
@@ -511,12 +527,13 @@ class LeaseRunner(RunnerBase):
         try:
             with telemetry.run_span(job, run.claimed_at) as span:
                 error = self._handle(run, session, context, decode_error)
-                outcome, failure = self._end(run, session, context, error)
+                outcome, failure = self._end(run, session, context, error, deferred)
                 span.ended(outcome or run.signal.reason or "fenced", error)
         finally:
-            self._forget(run)
+            if run.state != "done":
+                self._forget(run)
             session.release()
-        if outcome is not None:
+        if outcome is not None and run.state != "done":
             self._finished(job, outcome, failure)
 
     def _handle(
@@ -555,8 +572,10 @@ class LeaseRunner(RunnerBase):
         session: LeaseSession,
         context: JobContext,
         error: Exception | None,
+        deferred: list[LeasedRun] | None = None,
     ) -> tuple[Outcome | None, Failure | None]:
-        """Write the run's outcome, fenced by its token; the outcome to count, if any."""
+        """Write the run's outcome, fenced by its token; the outcome to count, if any (a
+        success of a batch whose session wrote nothing joins ``deferred`` instead)."""
         fields = self._fields(run.job)
         if not run.begin_ending():
             # Timed out (the outcome is written) or released by a stop that gave up.
@@ -585,6 +604,10 @@ class LeaseRunner(RunnerBase):
             # Not the handler's failure: its session went with the connection.
             self._lost(run, session, error)
             return None, None
+        if error is None and deferred is not None and not session.opened and not run.had_runs:
+            run.defer()
+            deferred.append(run)
+            return "succeeded", None
         if error is None:
             if not self._write(run, session, "success", None):
                 return None, None
@@ -594,6 +617,49 @@ class LeaseRunner(RunnerBase):
         telemetry.job_error(error)
         session.abandon()
         return self._failed(run, session, context, error)
+
+    def _complete_together(self, runs: list[LeasedRun]) -> None:
+        """Archive a batch's deferred successes in one transaction: those that still carry
+        the claim's token (the others' leases were taken: fenced off)."""
+        ids = [run.job_id for run in runs]
+        (locking, params), delete = sql.end_leases(
+            ids, self._tokens(runs), force_index=self.dialect.force_index
+        )
+        session = LeaseSession(self.engine, self.dialect)
+        kept: set[uuid.UUID] = set()
+        try:
+            conn = session.outcome_connection()
+            kept = set(conn.execute(locking, params).scalars())
+            if kept:
+                conn.execute(delete, {"ids": sorted(kept)})
+                now = self.now()
+                rows = [
+                    sql.archive(
+                        run.job,
+                        status="success",
+                        attempts=run.job["attempts"] + 1,
+                        finished_at=now,
+                        error=None,
+                        upsert=self.dialect.archive_upsert,
+                    )
+                    for run in runs
+                    if run.job_id in kept
+                ]
+                conn.execute(rows[0][0], [values for _, values in rows])
+            conn.commit()
+        except Exception as exc:
+            for run in runs:
+                self._not_written(run, session, exc)
+            return
+        finally:
+            session.release()
+            self._forget(*runs)
+        for run in runs:
+            if run.job_id in kept:
+                log_event(logging.DEBUG, "job-finished", **self._fields(run.job))
+                self._finished(run.job, "succeeded", None)
+            else:
+                self._fenced(run)
 
     def _failed(
         self,

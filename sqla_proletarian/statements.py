@@ -597,6 +597,24 @@ def leases_held(job_ids: list[uuid.UUID], tokens: list[uuid.UUID]) -> Statement:
 
 
 _END_LEASE = delete(JOB).where(JOB.c.job_id == bindparam("job_id"), JOB.c.lease_token == _TOKEN)
+_STILL_LEASED = (
+    select(JOB.c.job_id)
+    .where(*_HELD)
+    .with_for_update()
+    .with_hint(JOB, _JOB_BY_ID, "mysql")
+    .with_hint(JOB, _JOB_BY_ID, "mariadb")
+)
+
+
+def end_leases(
+    job_ids: list[uuid.UUID], tokens: list[uuid.UUID], *, force_index: bool = False
+) -> tuple[Statement, Any]:
+    """A claim's succeeded jobs, ended together: the lock of those that still carry one
+    of its tokens (the fence; the job-id index named on MySQL), and the delete of a list of
+    ids (give it the locked ones)."""
+    return (_STILL_LEASED, {"ids": job_ids, "tokens": tokens}), _delete_by(
+        JOB, ("job_id",), "ids", force_index
+    )
 
 
 def end_lease(job_id: uuid.UUID, token: uuid.UUID) -> Statement:

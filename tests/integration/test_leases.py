@@ -596,3 +596,41 @@ def test_a_batched_lease_claim_runs_each_job_once_each_completed_with_its_own_wr
         [f"job {n} attempt 1" for n in range(60) if n != 7] + ["job 7 attempt 2"]
     )
     assert worker.summary() == {"succeeded": 60, "retried": 1, "failed": 0}
+
+
+def test_a_batchs_successes_completed_together_are_fenced_one_by_one(
+    database: Any, engine: sa.Engine
+) -> None:
+    """A batch archives its jobs that succeeded without writing through their sessions
+    together at its end, each only if it still carries the claim's token: a job whose lease
+    expired meanwhile and that another worker ran is archived once, by that run."""
+    if engine.dialect.name == "sqlite":
+        pytest.skip("SQLite claims one job at a time")
+    first, second, third = (enqueue_committed(engine, "batched", n) for n in range(3))
+    blocked, release = threading.Event(), threading.Event()
+    runs: list[tuple[int, str]] = []
+
+    def handler(job: sp.JobContext) -> None:
+        runs.append((job.payload, threading.current_thread().name))
+        if job.payload == 1:
+            blocked.set()
+            release.wait(10)
+
+    worker = sp.create_queue_worker(
+        database.engine(), handler, handler_mode="advanced", batch_size=3, **LONG_LEASE
+    )
+    with running(worker):
+        assert blocked.wait(10)
+        # The first job's handler is done, its completion deferred: its lease expires.
+        with engine.begin() as conn:
+            conn.execute(
+                sa.update(JOB).where(JOB.c.job_id == first).values(process_at=sp.utc_now())
+            )
+        assert sp.process_next_job(engine, handler, handler_mode="advanced", **LONG_LEASE)
+        release.set()
+        assert wait_for(lambda: count(engine, sp.ArchivedJob) == 3)
+        assert wait_for(lambda: sum(worker.summary().values()) == 2)
+    assert [payload for payload, _ in runs] == [0, 1, 0, 2]
+    assert sorted(row.job_id for row in archived(engine)) == sorted([first, second, third])
+    assert jobs(engine) == []
+    assert worker.summary() == {"succeeded": 2, "retried": 0, "failed": 0}
