@@ -86,10 +86,6 @@ class Dialect:
     #: their range optimizer, so the locking read would scan (and lock) the priority's
     #: scheduled jobs; their claims read the priorities first.
     poll_finds_priority: bool = True
-    #: Statements a lease-mode claim runs first in its transaction: on PostgreSQL its commit
-    #: does not wait for the disk (a lease lost in a server crash makes the job run again, and
-    #: the job's completion, which does wait, writes the claim out before it).
-    lease_claim_setup: tuple[str, ...] = ()
 
     @contextmanager
     def claim_connection(self, engine: Engine) -> Iterator[Connection]:
@@ -224,7 +220,6 @@ DIALECTS: dict[str, Dialect] = {
         insert_or_nothing="postgresql_on_conflict",
         snapshot_conflict_fails=True,
         notifies=True,
-        lease_claim_setup=("SET LOCAL synchronous_commit TO OFF",),
     ),
     "mysql": Dialect("mysql", **_MYSQL),  # type: ignore[arg-type]
     "mariadb": Dialect("mariadb", **_MYSQL),  # type: ignore[arg-type]

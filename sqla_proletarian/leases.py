@@ -457,8 +457,6 @@ class LeaseRunner(RunnerBase):
         runs: list[LeasedRun] = []
         self.dialect.begin_claim(conn)
         try:
-            for statement in self.dialect.lease_claim_setup:
-                conn.exec_driver_sql(statement)
             jobs = poll_due_jobs(
                 conn, self.settings.queue, now, self._batch_size, with_runs=self._with_runs
             )
@@ -695,6 +693,18 @@ class LeaseRunner(RunnerBase):
         attempts = run.job["attempts"] + 1
 
         def remove_and_archive(conn: Connection) -> int:
+            if self.dialect.deletes_runs_with_job and not run.had_runs:
+                # PostgreSQL: the fenced delete and the archive are one statement.
+                statement = sql.archive_lease(
+                    run.job_id,
+                    run.token,
+                    status=status,
+                    attempts=attempts,
+                    finished_at=self.now(),
+                    error=describe(error) if error is not None else None,
+                    upsert=self.dialect.archive_upsert,
+                )
+                return int(conn.execute(*statement).rowcount)
             removed = conn.execute(*sql.end_lease(run.job_id, run.token)).rowcount
             if removed:
                 self._archive(conn, run.job, status, attempts, error, with_runs=run.had_runs)

@@ -597,6 +597,56 @@ def leases_held(job_ids: list[uuid.UUID], tokens: list[uuid.UUID]) -> Statement:
 
 
 _END_LEASE = delete(JOB).where(JOB.c.job_id == bindparam("job_id"), JOB.c.lease_token == _TOKEN)
+
+
+@cache
+def _archive_lease(upsert: ArchiveUpsert) -> Executable:
+    done = (
+        delete(JOB)
+        .where(JOB.c.job_id == bindparam("job_id"), JOB.c.lease_token == _TOKEN)
+        .returning(*JOB_COLUMNS)
+        .cte("done")
+    )
+    rows = select(
+        done.c.job_id,
+        done.c.queue,
+        done.c.job_type,
+        done.c.payload,
+        bindparam("attempts", type_=ARCHIVE.c.attempts.type),
+        done.c.enqueued_at,
+        func.coalesce(done.c.due_at, done.c.process_at),
+        done.c.run_order,
+        done.c.unique_key,
+        bindparam("status", type_=ARCHIVE.c.status.type),
+        bindparam("now", type_=ARCHIVE.c.finished_at.type),
+        bindparam("error", type_=ARCHIVE.c.error.type),
+    )
+    statement = _upserted(upsert, rows).add_cte(done)
+    return statement.execution_options(preserve_rowcount=True)
+
+
+def archive_lease(
+    job_id: uuid.UUID,
+    token: uuid.UUID,
+    *,
+    status: str,
+    attempts: int,
+    finished_at: datetime,
+    error: str | None,
+    upsert: ArchiveUpsert,
+) -> Statement:
+    """Remove a leased job where it still carries the run's token and archive it, in one
+    statement (PostgreSQL's DML CTE); its rowcount is 0 when the run was fenced off."""
+    return _archive_lease(upsert), {
+        "job_id": job_id,
+        "token": token,
+        "attempts": attempts,
+        "status": status,
+        "now": finished_at,
+        "error": error,
+    }
+
+
 _STILL_LEASED = (
     select(JOB.c.job_id)
     .where(*_HELD)
