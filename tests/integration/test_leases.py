@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from collections import Counter
 from datetime import timedelta
@@ -634,3 +635,50 @@ def test_a_batchs_successes_completed_together_are_fenced_one_by_one(
     assert sorted(row.job_id for row in archived(engine)) == sorted([first, second, third])
     assert jobs(engine) == []
     assert worker.summary() == {"succeeded": 2, "retried": 0, "failed": 0}
+
+
+def _idle_limited(database: Any, engine: sa.Engine) -> sa.Engine:
+    """An engine whose sessions the server ends after 1 s idle in a transaction."""
+    if engine.dialect.name == "postgresql":
+        args = {"options": "-c idle_in_transaction_session_timeout=1000"}
+    else:
+        args = {"init_command": "SET SESSION idle_transaction_timeout = 1"}
+    return database.engine(connect_args=args)  # type: ignore[no-any-return]
+
+
+def test_an_idle_transaction_limit_spares_a_leased_handler_until_it_uses_its_session(
+    database: Any, engine: sa.Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With the server ending sessions idle in a transaction for 1 s: a leased handler that
+    computes for 1.5 s and then writes succeeds (no transaction was open meanwhile); one that
+    writes first and then computes loses its session every run, each counted as an unclean
+    end, so it is archived as failed with JobCrashedError after max_unclean_ends runs, never
+    looping."""
+    if engine.dialect.name == "sqlite":
+        pytest.skip("SQLite has no idle-transaction limit")
+    limited = _idle_limited(database, engine)
+    late, early = enqueue_committed(engine, "late"), enqueue_committed(engine, "early")
+    runs: Counter[str] = Counter()
+
+    def handler(job: sp.JobContext) -> None:
+        runs[job.job_type] += 1
+        if job.job_type == "early":
+            job.session.add(Note(text="early"))
+            job.session.flush()
+        time.sleep(1.5)
+        job.session.add(Note(text=job.job_type))
+
+    caplog.set_level(logging.WARNING, logger="sqla_proletarian")
+    worker = sp.create_queue_worker(
+        limited, handler, handler_mode="advanced", max_unclean_ends=2, **LONG_LEASE
+    )
+    with running(worker):
+        assert wait_for(lambda: count(engine, sp.ArchivedJob) == 2, timeout=30)
+    done = {row.job_id: row for row in archived(engine)}
+    assert done[late].status == "success"
+    assert done[early].status == "failure" and done[early].error is not None
+    assert "JobCrashedError" in done[early].error
+    assert runs == Counter({"late": 1, "early": 2})
+    assert notes(engine) == ["late"]
+    assert len(events(caplog.records, "job-connection-lost")) == 2
+    limited.dispose()
