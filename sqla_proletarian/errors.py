@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from sqlalchemy import Connection
 from sqlalchemy import exc as sa_exc
 
 
@@ -294,6 +295,30 @@ def idle_limit_hit(exc: BaseException, ran_for: float, idle_timeout: float | Non
         name in message
         for name in ("idle-in-transaction", "idle_in_transaction", "idle_transaction_timeout")
     )
+
+
+def idle_transaction_limit(conn: Connection) -> float | None:
+    """The server's limit in seconds on a session idle in a transaction, for ``conn``'s
+    sessions (PostgreSQL's idle_in_transaction_session_timeout; MariaDB's
+    idle_transaction_timeout and idle_write_transaction_timeout); None when there is none."""
+    name = conn.dialect.name
+    try:
+        if name == "postgresql":
+            row = conn.exec_driver_sql(
+                "SELECT setting FROM pg_settings WHERE name = 'idle_in_transaction_session_timeout'"
+            ).first()
+            limits = [float(row[0]) / 1000] if row is not None and row[0] else []
+        elif getattr(conn.dialect, "is_mariadb", False):
+            values = conn.exec_driver_sql(
+                "SELECT @@idle_transaction_timeout, @@idle_write_transaction_timeout"
+            ).one()
+            limits = [float(value) for value in values if value]
+        else:
+            return None
+    finally:
+        conn.rollback()
+    limits = [limit for limit in limits if limit > 0]
+    return min(limits) if limits else None
 
 
 def connection_loss_hint(

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Engine, event
 
 from sqla_proletarian import ledger, telemetry, turns
 from sqla_proletarian import statements as sql
@@ -38,6 +38,7 @@ from sqla_proletarian.errors import (
     JobTimeoutError,
     connection_loss_hint,
     idle_limit_hit,
+    idle_transaction_limit,
     is_transient,
 )
 from sqla_proletarian.execution import JobRunner, poll_due_jobs
@@ -71,8 +72,9 @@ class LeaseSession(JobSession):
         self._stack = ExitStack()
         self._conn: Connection | None = None
         self._handling = False
-        #: When the job's connection was taken (time.monotonic()).
+        #: When the job's connection was taken, and last ran a statement (time.monotonic()).
         self.opened_at = 0.0
+        self.last_used = 0.0
         #: Why the job's connection could not be taken, if it could not.
         self.open_error: Exception | None = None
         super().__init__(None)  # type: ignore[arg-type]
@@ -92,7 +94,7 @@ class LeaseSession(JobSession):
     def job_connection(self) -> Connection:
         if self._conn is None:
             self._conn = self._open()
-            self.opened_at = time.monotonic()
+            self.opened_at = self.last_used = time.monotonic()
         return self._conn
 
     @job_connection.setter
@@ -106,6 +108,7 @@ class LeaseSession(JobSession):
             try:
                 conn = self._stack.enter_context(self._dialect.claim_connection(self._engine))
                 self._dialect.begin_claim(conn)
+                event.listen(conn, "after_cursor_execute", self._used)
                 return conn
             except Exception as exc:
                 with contextlib.suppress(Exception):
@@ -119,6 +122,10 @@ class LeaseSession(JobSession):
     def opened(self) -> bool:
         """Whether the job's connection was taken."""
         return self._conn is not None
+
+    def _used(self, *args: object) -> None:
+        """After each statement on the job's connection: when it last did something."""
+        self.last_used = time.monotonic()
 
     @property
     def lost(self) -> bool:
@@ -759,24 +766,32 @@ class LeaseRunner(RunnerBase):
         was committed, and the job runs again. Counted as an unclean end only when the
         server ended the session for sitting idle in its transaction (a limit the job hits
         each time it runs, which would loop), not for a restart, a failover or a kill."""
-        ran_for = time.monotonic() - session.opened_at if session.opened else 0.0
+        idle_for = time.monotonic() - session.last_used if session.opened else 0.0
         idle_limit = self._idle_limit()
-        charged = idle_limit_hit(exc, ran_for, idle_limit)
-        hint = connection_loss_hint(exc, ran_for, idle_limit)
+        # The server's limit, as the error names it or as its setting says (psycopg2 and
+        # MariaDB report only a closed connection).
+        charged = idle_limit_hit(exc, idle_for, idle_limit)
         if charged:
-            hint += "; the run counts as an unclean end (max_unclean_ends)"
+            hint = (
+                f"the job's session sat idle in its transaction for {idle_for:.1f} s, past the "
+                "server's idle-transaction limit (PostgreSQL's "
+                "idle_in_transaction_session_timeout, MariaDB's idle_transaction_timeout), so "
+                "the server ended it; the run counts as an unclean end (max_unclean_ends). "
+                "Use job.session at the end of the job, or raise the limit"
+            )
+        else:
+            hint = connection_loss_hint(exc)
         fields = self._fields(run.job)
         log_event(logging.ERROR, "job-connection-lost", **fields, error=repr(exc), hint=hint)
         session.release()
         self._give_back(run, charged=charged)
 
     def _idle_limit(self) -> float | None:
-        """The server's idle-transaction limit where its errors do not name it (MariaDB),
-        read once."""
+        """The server's idle-transaction limit for the worker's sessions, read once."""
         if self._idle_timeout is None:
             try:
                 with self.dialect.claim_connection(self.engine) as conn:
-                    self._idle_timeout = (self.dialect.idle_timeout(conn) or 0.0,)
+                    self._idle_timeout = (idle_transaction_limit(conn) or 0.0,)
             except Exception:
                 return None
         return self._idle_timeout[0] or None
