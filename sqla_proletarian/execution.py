@@ -5,21 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import socket
-import threading
 import time
 import uuid
-from collections.abc import Callable
-from contextlib import AbstractContextManager, ExitStack
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection
 from sqlalchemy import exc as sa_exc
 
-from sqla_proletarian import ledger, telemetry, turns
+from sqla_proletarian import ledger, telemetry
 from sqla_proletarian import statements as sql
 from sqla_proletarian.dialects import dialect_of
 from sqla_proletarian.errors import (
@@ -38,7 +34,6 @@ from sqla_proletarian.running import (
     Failure,
     Outcome,
     RunnerBase,
-    RunSettings,
     describe,
     rollback_quietly,
 )
@@ -152,42 +147,18 @@ class JobRunner(RunnerBase):
     See ``RunnerBase`` for ``stopping``, ``new_lock``, ``unit_name`` and ``sleep``.
     """
 
-    def __init__(
-        self,
-        engine: Engine,
-        settings: RunSettings,
-        on_outcome: Callable[[Outcome], None] | None = None,
-        stopping: Callable[[], bool] | None = None,
-        *,
-        new_lock: Callable[[], AbstractContextManager[Any]] = threading.Lock,
-        unit_name: Callable[[], str] = lambda: threading.current_thread().name,
-        sleep: Callable[[float], object] = time.sleep,
-    ) -> None:
-        super().__init__(
-            engine,
-            settings,
-            on_outcome,
-            stopping,
-            new_lock=new_lock,
-            unit_name=unit_name,
-            sleep=sleep,
-        )
-        self._connect_lock = new_lock()
-        #: SQLite: the claims of every runner of the process on the database file take turns.
-        self._claim_turn = turns.turn_for(engine.url, new_lock)
-        self._host = f"{socket.gethostname()}:{os.getpid()}"
+    def _set_up(self) -> None:
+        self._connect_lock = self._new_lock()
         #: Whether runs are recorded (the crash ledger), and on a connection of their own.
-        self._tracked = settings.max_unclean_ends is not None
+        self._tracked = self.settings.max_unclean_ends is not None
         self._separate_ledger = self._tracked and self.dialect.separate_ledger
-        # SQLite commits each run record before its handler, and with it the claim.
-        self._batch_size = 1 if self.dialect.claim_takes_write_lock else settings.batch_size
         #: Where run records this process gave up but could not remove are kept for later.
-        self._database = engine.url.render_as_string(hide_password=True)
+        self._database = self.engine.url.render_as_string(hide_password=True)
         #: The connections of threads (or tasks) whose handler is running, by their id.
         self._in_flight: dict[int, WorkerConnections] = {}
         #: Holds the runner's owner lock where owners are session locks (see ``ledger``).
         self._keeper = (
-            ledger.OwnerKeeper(engine, self.dialect, new_lock)
+            ledger.OwnerKeeper(self.engine, self.dialect, self._new_lock)
             if self._separate_ledger and self.dialect.owner_lock in ("advisory", "named")
             else None
         )

@@ -16,20 +16,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, ExitStack
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from sqlalchemy import Connection, Engine, event
 
-from sqla_proletarian import ledger, telemetry, turns
+from sqla_proletarian import ledger, telemetry
 from sqla_proletarian import statements as sql
 from sqla_proletarian.dialects import Dialect
 from sqla_proletarian.errors import (
@@ -264,38 +262,17 @@ class LeaseRunner(RunnerBase):
     """Claims jobs under leases and runs their handlers with no transaction open.
     Thread-safe; shared by a worker's threads (or tasks), with one heartbeat for all."""
 
-    def __init__(
-        self,
-        engine: Engine,
-        settings: RunSettings,
-        on_outcome: Callable[[Outcome], None] | None = None,
-        stopping: Callable[[], bool] | None = None,
-        *,
-        new_lock: Callable[[], AbstractContextManager[Any]] = threading.Lock,
-        unit_name: Callable[[], str] = lambda: threading.current_thread().name,
-        sleep: Callable[[float], object] = time.sleep,
-    ) -> None:
-        super().__init__(
-            engine,
-            settings,
-            on_outcome,
-            stopping,
-            new_lock=new_lock,
-            unit_name=unit_name,
-            sleep=sleep,
-        )
+    def _set_up(self) -> None:
+        settings = self.settings
         assert settings.lease_seconds is not None
         self._lease = timedelta(seconds=settings.lease_seconds)
         self.heartbeat_interval = settings.heartbeat_interval or settings.lease_seconds / 3
-        self._batch_size = 1 if self.dialect.claim_takes_write_lock else settings.batch_size
-        self._claim_turn = turns.turn_for(engine.url, new_lock)
-        self._host = f"{socket.gethostname()}:{os.getpid()}"
         #: Run records of transaction-mode runs are read (and counted) only where they exist.
         self._with_runs = settings.max_unclean_ends is not None
         self._runs: dict[uuid.UUID, LeasedRun] = {}
         self._runs_lock = threading.Lock()
         self._next_beat = time.monotonic() + self.heartbeat_interval
-        self._upkeep_lock = new_lock()
+        self._upkeep_lock = self._new_lock()
         self._closed = threading.Event()
         self._keeper: threading.Thread | None = None
         #: The server's idle-transaction limit, once read (0: none).

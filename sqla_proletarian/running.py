@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
+import socket
 import threading
 import time
 import traceback
@@ -24,7 +26,7 @@ from typing import Any, Literal
 from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session
 
-from sqla_proletarian import ledger
+from sqla_proletarian import ledger, turns
 from sqla_proletarian import statements as sql
 from sqla_proletarian.dialects import dialect_of
 from sqla_proletarian.errors import PayloadDeserializationError, ProletarianError
@@ -119,6 +121,15 @@ class RunnerBase:
         self._new_lock = new_lock
         self._unit_name = unit_name
         self._sleep = sleep
+        #: SQLite: the claims of every runner of the process on the database file take turns.
+        self._claim_turn = turns.turn_for(engine.url, new_lock)
+        self._host = f"{socket.gethostname()}:{os.getpid()}"
+        # SQLite: one job per claim (its write lock is held from the claim's first read).
+        self._batch_size = 1 if self.dialect.claim_takes_write_lock else settings.batch_size
+        self._set_up()
+
+    def _set_up(self) -> None:
+        """The mode's own state (a subclass's)."""
 
     def now(self) -> datetime:
         return check_aware("clock()", self.settings.clock())
