@@ -773,15 +773,18 @@ class LeaseRunner(RunnerBase):
                 return None
         return self._idle_timeout[0] or None
 
+    def _give_back_statement(self, run: LeasedRun, *, charged: bool) -> sql.Statement:
+        """What makes a run's job due again now: a release (no unclean end), or an expiry
+        that keeps the token (``charged``: the next claim counts one)."""
+        if charged:
+            return sql.expire_lease(run.job_id, run.token, self.now())
+        return sql.release_leases([run.job_id], [run.token])
+
     def _give_back(self, run: LeasedRun, *, charged: bool) -> None:
         """Make the job due again at once: released (no unclean end), or ``charged`` (its
         token kept, so the next claim counts one). While the database is out of reach it
         tries again, for up to a lease; the heartbeat renews the lease meanwhile."""
-        statement = (
-            sql.expire_lease(run.job_id, run.token, self.now())
-            if charged
-            else sql.release_leases([run.job_id], [run.token])
-        )
+        statement = self._give_back_statement(run, charged=charged)
         deadline = time.monotonic() + self._lease.total_seconds()
         while True:
             try:
@@ -816,13 +819,8 @@ class LeaseRunner(RunnerBase):
         session.abandon()
         if not run.begin_ending():
             return
-        statement = (
-            sql.expire_lease(run.job_id, run.token, self.now())
-            if charged
-            else sql.release_leases([run.job_id], [run.token])
-        )
         with contextlib.suppress(Exception):
-            self._execute(statement)
+            self._execute(self._give_back_statement(run, charged=charged))
 
     def _release(self, runs: list[LeasedRun]) -> None:
         """Give claimed leases back unrun (a stop came before their handlers started)."""
@@ -874,17 +872,23 @@ class LeaseRunner(RunnerBase):
     def _tokens(runs: list[LeasedRun]) -> list[uuid.UUID]:
         return sorted({run.token for run in runs})
 
-    def _execute(self, statement: sql.Statement) -> Any:
-        """One statement in a short transaction of its own, on a connection of the pool."""
+    @contextlib.contextmanager
+    def _short_transaction(self) -> Iterator[Connection]:
+        """A transaction of its own on a connection of the pool, committed if the block
+        ends without an error, else rolled back."""
         with self.dialect.claim_connection(self.engine) as conn:
             self.dialect.begin_claim(conn)
             try:
-                result = conn.execute(*statement)
+                yield conn
                 conn.commit()
             except BaseException:
                 rollback_quietly(conn)
                 raise
-            return result
+
+    def _execute(self, statement: sql.Statement) -> Any:
+        """One statement in a short transaction of its own."""
+        with self._short_transaction() as conn:
+            return conn.execute(*statement)
 
     def _beat(self) -> None:
         """Renew every lease of the worker in one statement; tell the handlers of leases
@@ -895,18 +899,12 @@ class LeaseRunner(RunnerBase):
         ids = [run.job_id for run in runs]
         tokens = self._tokens(runs)
         now = self.now()
-        with self.dialect.claim_connection(self.engine) as conn:
-            self.dialect.begin_claim(conn)
-            try:
-                free = list(conn.execute(*sql.lock_leases(ids, tokens)).scalars())
-                if free:
-                    conn.execute(*sql.renew_leases(free, tokens, now, now + self._lease))
-                rows = conn.execute(*sql.leases_held(ids, tokens)).all()
-                held: dict[uuid.UUID, datetime | None] = {row[0]: row[1] for row in rows}
-                conn.commit()
-            except BaseException:
-                rollback_quietly(conn)
-                raise
+        with self._short_transaction() as conn:
+            free = list(conn.execute(*sql.lock_leases(ids, tokens)).scalars())
+            if free:
+                conn.execute(*sql.renew_leases(free, tokens, now, now + self._lease))
+            rows = conn.execute(*sql.leases_held(ids, tokens)).all()
+        held: dict[uuid.UUID, datetime | None] = {row[0]: row[1] for row in rows}
         for run in runs:
             if run.job_id not in held:
                 if run.state != "ending" and run.signal.request("lease-lost"):
