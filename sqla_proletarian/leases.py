@@ -391,32 +391,45 @@ class LeaseRunner(RunnerBase):
             "handlers still write through job.session is discarded",
         )
 
+    # --- what a worker's poller and its threads call (feeder) ---------------------------
+
+    def run_claimed(self, run: LeasedRun, defer: Callable[[LeasedRun], None] | None) -> None:
+        """Run a job the poller claimed, unless its lease was found gone meanwhile."""
+        if run.signal.reason == "lease-lost":
+            self._fenced(run)
+            return
+        self._run(run, defer)
+
+    def give_back(self, runs: list[LeasedRun]) -> None:
+        """Give claimed leases back unrun and uncharged (a stop came before they started)."""
+        if runs:
+            self._release(runs)
+
+    def complete(self, runs: list[LeasedRun]) -> None:
+        """Archive deferred successes together (see _complete_together)."""
+        self._complete_together(runs)
+
+    def next_due(self, connections: LeaseConnections) -> datetime | None:
+        """When the queue's next job is due, a leased one's expiry included (None: none)."""
+        statement = sql.next_due(self.settings.queue, self.dialect.priority_scan)
+        conn = connections.conn
+        try:
+            times = [at for at in conn.execute(*statement).scalars() if at is not None]
+            conn.rollback()
+        except BaseException:
+            rollback_quietly(conn)
+            raise
+        finally:
+            if self.dialect.claim_takes_write_lock:
+                connections.release()
+        return min(times, default=None)
+
     # --- the claim --------------------------------------------------------------------------
 
     def _claim_and_run(self, connections: LeaseConnections) -> bool:
         if self._stopping():
             return False
-        if self.dialect.claim_takes_write_lock:
-            # SQLite: the write lock is taken only for a due job, in the process's turn.
-            try:
-                if not connections.claimed_last and not self._any_due(connections.conn):
-                    connections.release()
-                    return False
-                conn = connections.conn
-                with self._claim_turn.taken(lambda: self._commits(conn), self._sleep):
-                    runs = self._claim(connections)
-            finally:
-                connections.release()
-        else:
-            try:
-                runs = self._claim(connections)
-            except BaseException:
-                connections.release()
-                raise
-            if runs:
-                # No connection is held while handlers run; an idle thread keeps its own.
-                connections.release()
-        connections.claimed_last = bool(runs)
+        runs = self.claim(connections)
         # A batch completes its jobs that succeeded with nothing written through their
         # sessions together, at its end; each other job completes on its own.
         deferred: list[LeasedRun] | None = [] if len(runs) > 1 else None
@@ -425,13 +438,39 @@ class LeaseRunner(RunnerBase):
                 if self._stopping():
                     self._release(runs[index:])
                     break
-                self._run(run, deferred)
+                self._run(run, deferred.append if deferred is not None else None)
         finally:
             if deferred:
                 self._complete_together(deferred)
         return bool(runs)
 
-    def _claim(self, connections: LeaseConnections) -> list[LeasedRun]:
+    def claim(self, connections: LeaseConnections, limit: int | None = None) -> list[LeasedRun]:
+        """Lease up to ``limit`` due jobs (the batch size), if any; the thread's connection
+        is given back when it took some (and always on SQLite)."""
+        if self.dialect.claim_takes_write_lock:
+            # SQLite: the write lock is taken only for a due job, in the process's turn.
+            try:
+                if not connections.claimed_last and not self._any_due(connections.conn):
+                    connections.release()
+                    return []
+                conn = connections.conn
+                with self._claim_turn.taken(lambda: self._commits(conn), self._sleep):
+                    runs = self._claim(connections, limit)
+            finally:
+                connections.release()
+        else:
+            try:
+                runs = self._claim(connections, limit)
+            except BaseException:
+                connections.release()
+                raise
+            if runs:
+                # No connection is held while handlers run; an idle thread keeps its own.
+                connections.release()
+        connections.claimed_last = bool(runs)
+        return runs
+
+    def _claim(self, connections: LeaseConnections, jobs: int | None = None) -> list[LeasedRun]:
         """Lease the next due jobs, if any, in a transaction that commits at once."""
         conn = connections.conn
         now = self.now()
@@ -441,10 +480,10 @@ class LeaseRunner(RunnerBase):
         runs: list[LeasedRun] = []
         self.dialect.begin_claim(conn)
         try:
-            jobs = poll_due_jobs(
-                conn, self.settings.queue, now, self._batch_size, with_runs=self._with_runs
+            due = poll_due_jobs(
+                conn, self.settings.queue, now, jobs or self._batch_size, with_runs=self._with_runs
             )
-            for job in jobs:
+            for job in due:
                 records = job.pop("runs", 0)
                 past = ledger.past_runs(
                     self.dialect, conn, job["job_id"], records, self.settings.reconnect_grace
@@ -496,7 +535,7 @@ class LeaseRunner(RunnerBase):
 
     # --- one job ----------------------------------------------------------------------------
 
-    def _run(self, run: LeasedRun, deferred: list[LeasedRun] | None = None) -> None:
+    def _run(self, run: LeasedRun, defer: Callable[[LeasedRun], None] | None = None) -> None:
         job = run.job
         fields = self._fields(job)
         payload, decode_error = self._payload(job)
@@ -509,7 +548,7 @@ class LeaseRunner(RunnerBase):
         try:
             with telemetry.run_span(job, run.claimed_at) as span:
                 error = self._handle(run, session, context, decode_error)
-                outcome, failure = self._end(run, session, context, error, deferred)
+                outcome, failure = self._end(run, session, context, error, defer)
                 span.ended(outcome or run.signal.reason or "fenced", error)
         finally:
             if run.state != "done":
@@ -554,10 +593,11 @@ class LeaseRunner(RunnerBase):
         session: LeaseSession,
         context: JobContext,
         error: Exception | None,
-        deferred: list[LeasedRun] | None = None,
+        defer: Callable[[LeasedRun], None] | None = None,
     ) -> tuple[Outcome | None, Failure | None]:
         """Write the run's outcome, fenced by its token; the outcome to count, if any (a
-        success of a batch whose session wrote nothing joins ``deferred`` instead)."""
+        success whose session wrote nothing goes to ``defer`` instead, to be completed with
+        others)."""
         fields = self._fields(run.job)
         if not run.begin_ending():
             # Timed out (the outcome is written) or released by a stop that gave up.
@@ -586,9 +626,9 @@ class LeaseRunner(RunnerBase):
             # Not the handler's failure: its session went with the connection.
             self._lost(run, session, error)
             return None, None
-        if error is None and deferred is not None and not session.opened and not run.had_runs:
+        if error is None and defer is not None and not session.opened and not run.had_runs:
             run.defer()
-            deferred.append(run)
+            defer(run)
             return "succeeded", None
         if error is None:
             if not self._write(run, session, "success", None):
@@ -601,21 +641,55 @@ class LeaseRunner(RunnerBase):
         return self._failed(run, session, context, error)
 
     def _complete_together(self, runs: list[LeasedRun]) -> None:
-        """Archive a batch's deferred successes in one transaction: those that still carry
-        the claim's token (the others' leases were taken: fenced off)."""
+        """Archive deferred successes in one transaction: those that still carry their
+        run's token (the others' leases were taken: fenced off). A failure is tried once
+        more on a fresh connection (the fence keeps a committed first try from archiving
+        twice); if that fails too, the leases are given back, or left to expire."""
+        kept: set[uuid.UUID] | None = None
+        try:
+            for last in (False, True):
+                try:
+                    kept = self._end_together(runs)
+                    break
+                except Exception as exc:
+                    if not last:
+                        log_event(
+                            logging.WARNING,
+                            "completion-retry",
+                            worker_id=self.settings.worker_id,
+                            jobs=len(runs),
+                            error=repr(exc),
+                        )
+                        continue
+                    self._not_completed(runs, exc)
+        finally:
+            self._forget(*runs)
+        if kept is None:
+            return
+        for run in runs:
+            if run.job_id in kept:
+                log_event(logging.DEBUG, "job-finished", **self._fields(run.job))
+                self._finished(run.job, "succeeded", None)
+            else:
+                self._fenced(run)
+
+    def _end_together(self, runs: list[LeasedRun]) -> set[uuid.UUID]:
+        """Delete the runs' jobs that still carry their tokens and archive them as
+        succeeded, in one transaction; the ids it ended."""
         ids = [run.job_id for run in runs]
         (locking, params), delete = sql.end_leases(
             ids, self._tokens(runs), force_index=self.dialect.force_index
         )
         session = LeaseSession(self.engine, self.dialect)
-        kept: set[uuid.UUID] = set()
         try:
             conn = session.outcome_connection()
-            kept = set(conn.execute(locking, params).scalars())
+            # A run's token fences its own job only (one flush holds several claims' runs).
+            rows = {(row[0], row[1]) for row in conn.execute(locking, params)}
+            kept = {run.job_id for run in runs if (run.job_id, run.token) in rows}
             if kept:
                 conn.execute(delete, {"ids": sorted(kept)})
                 now = self.now()
-                rows = [
+                archived = [
                     sql.archive(
                         run.job,
                         status="success",
@@ -627,21 +701,33 @@ class LeaseRunner(RunnerBase):
                     for run in runs
                     if run.job_id in kept
                 ]
-                conn.execute(rows[0][0], [values for _, values in rows])
+                conn.execute(archived[0][0], [values for _, values in archived])
             conn.commit()
-        except Exception as exc:
-            for run in runs:
-                self._not_written(run, session, exc)
-            return
+            return kept
         finally:
             session.release()
-            self._forget(*runs)
-        for run in runs:
-            if run.job_id in kept:
-                log_event(logging.DEBUG, "job-finished", **self._fields(run.job))
-                self._finished(run.job, "succeeded", None)
-            else:
-                self._fenced(run)
+
+    def _not_completed(self, runs: list[LeasedRun], exc: Exception) -> None:
+        """Deferred successes could not be completed: give their leases back (the jobs run
+        again, their runs not counted), or, if that fails too, leave them to expire."""
+        log_event(
+            logging.ERROR,
+            "outcome-recording-error",
+            worker_id=self.settings.worker_id,
+            jobs=len(runs),
+            error=repr(exc),
+            hint="nothing was recorded; the jobs run again",
+        )
+        try:
+            self._execute(sql.release_leases([r.job_id for r in runs], self._tokens(runs)))
+        except Exception as error:
+            log_event(
+                logging.WARNING,
+                "lease-release-error",
+                worker_id=self.settings.worker_id,
+                error=repr(error),
+                hint="the jobs run again once their leases expire",
+            )
 
     def _failed(
         self,

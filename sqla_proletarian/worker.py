@@ -28,7 +28,8 @@ from sqla_proletarian.errors import (
     polling_error_hint,
     transient_hint,
 )
-from sqla_proletarian.leases import check_lease_settings, new_runner
+from sqla_proletarian.feeder import SAFETY_POLL, Feeder
+from sqla_proletarian.leases import LeaseConnections, LeaseRunner, check_lease_settings, new_runner
 from sqla_proletarian.logs import log_event
 from sqla_proletarian.models import DEFAULT_QUEUE
 from sqla_proletarian.periodic import PeriodicJob, Scheduler, check_periodic_jobs
@@ -240,6 +241,8 @@ class QueueWorker:
         self._stopper: threading.Thread | None = None
         self._exception: BaseException | None = None
         self._threads: list[threading.Thread] = []
+        #: Lease mode: the poller's queue of claimed jobs, and the completer.
+        self._feeder: Feeder | None = None
         self._previous_handlers: dict[int, Any] = {}
         #: From the signal handler to the watcher thread (put is safe inside a handler).
         self._signals: queue.SimpleQueue[int | None] = queue.SimpleQueue()
@@ -274,9 +277,10 @@ class QueueWorker:
             worker_threads=self.options.worker_threads,
         )
         self._runner.start_keeping_owner()
+        body = self._start_feeding()
         for index in range(self.options.worker_threads):
             thread = threading.Thread(
-                target=self._work, name=f"{self.worker_id}-{index}", daemon=True
+                target=self._work, args=(body,), name=f"{self.worker_id}-{index}", daemon=True
             )
             self._threads.append(thread)
             thread.start()
@@ -403,6 +407,7 @@ class QueueWorker:
                         "will run again"
                     ),
                 )
+            self._stop_feeding()
             if self.options.on_shutdown is not None:
                 try:
                     self.options.on_shutdown()
@@ -438,10 +443,10 @@ class QueueWorker:
         with self._counts_lock:
             self._counts[outcome] += 1
 
-    def _work(self) -> None:
+    def _work(self, body: Callable[[], None] | None = None) -> None:
         """A worker thread. Whatever ends it before a stop stops the whole worker."""
         try:
-            self._poll()
+            (body or self._poll)()
         except BaseException as exc:
             self._note_exception(exc)
             with contextlib.suppress(Exception):  # the logging may be what failed
@@ -493,6 +498,83 @@ class QueueWorker:
         self._wakeup.wait(pause)
         if not self._stopping.is_set():
             self._wakeup.clear()
+
+    # --- lease mode: one poller feeds the threads -----------------------------------------
+
+    def _start_feeding(self) -> Callable[[], None]:
+        """Lease mode: start the poller and the completer; what the worker threads run."""
+        runner = self._runner
+        if not isinstance(runner, LeaseRunner):
+            return self._poll
+        feeder = self._feeder = Feeder(
+            runner, self.options.worker_threads, self.options.batch_size, self._wakeup
+        )
+        feeder.start()
+        poller = threading.Thread(
+            target=self._work,
+            args=(lambda: self._feed(feeder),),
+            name=f"{self.worker_id}-poller",
+            daemon=True,
+        )
+        self._threads.append(poller)
+        poller.start()
+        return lambda: feeder.work(self._stopping.is_set)
+
+    def _stop_feeding(self) -> None:
+        """Archive the completions still queued (after the threads ended or were given up)."""
+        if self._feeder is not None:
+            self._feeder.completer.close()
+
+    def _feed(self, feeder: Feeder) -> None:
+        """Lease mode's poller: claim jobs into the threads' queue while they have room;
+        with the queue drained, wait alone (see _drained_pause)."""
+        backoff = 0.0
+        connections = feeder.runner.open_connections()
+        try:
+            while not self._stopping.is_set():
+                pause, claimed = SAFETY_POLL, False  # a thread that becomes free wakes it
+                try:
+                    if feeder.room():
+                        if self._scheduler is not None:
+                            self._scheduler.tick(connections.conn)
+                        claimed = feeder.claim(connections) > 0
+                        if not claimed:
+                            pause = self._drained_pause(feeder, connections)
+                    else:
+                        connections.release()
+                    backoff = 0.0
+                except Exception as exc:
+                    connections.close()
+                    if is_transient(exc):
+                        backoff, pause = transient_backoff(self.worker_id, exc, backoff)
+                        self._stopping.wait(pause)
+                        continue
+                    if self._polling_error(exc):
+                        self._stop_itself(exc)
+                        return
+                    pause = self.options.polling_interval
+                if claimed and feeder.room():
+                    continue  # a thread is still free: claim again now
+                self._wakeup.wait(pause)
+                if not self._stopping.is_set():
+                    self._wakeup.clear()
+        finally:
+            connections.close()
+            feeder.end()
+
+    def _drained_pause(self, feeder: Feeder, connections: LeaseConnections) -> float:
+        """How long the poller of a drained queue waits: a few short waits after an
+        in-process enqueue; else SAFETY_POLL with LISTEN, polling_interval without; never
+        past the queue's next due time (a scheduled job, an expiring lease)."""
+        burst = self._burst
+        if burst:
+            self._burst = burst - 1
+            return wakeups.BURST[len(wakeups.BURST) - burst]
+        pause = SAFETY_POLL if self._listener is not None else self.options.polling_interval
+        due_in = feeder.next_due_in(connections)
+        if due_in is None:
+            return pause
+        return min(pause, due_in if due_in > 0 else self.options.polling_interval)
 
     def _polling_error(self, exc: Exception) -> bool:
         """Hand a non-transient polling error to on_polling_error; True means stop."""

@@ -18,7 +18,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.sql.elements import BindParameter
 
-from sqla_proletarian.dialects import ArchiveUpsert
+from sqla_proletarian.dialects import ArchiveUpsert, PriorityScan
 from sqla_proletarian.statements.base import (
     _JOB_BY_ID,
     ARCHIVE,
@@ -27,6 +27,7 @@ from sqla_proletarian.statements.base import (
     Statement,
     _delete_by,
 )
+from sqla_proletarian.statements.claim import _EARLIEST, _PAUSED, _RUN_ORDERS
 from sqla_proletarian.statements.finish import _EXPIRED_LEASE, _NO_LEASE, _upserted
 
 _TOKEN = bindparam("token", type_=Uuid())
@@ -142,7 +143,7 @@ def archive_lease(
 
 
 _STILL_LEASED = (
-    select(JOB.c.job_id)
+    select(JOB.c.job_id, JOB.c.lease_token)
     .where(*_HELD)
     .with_for_update()
     .with_hint(JOB, _JOB_BY_ID, "mysql")
@@ -153,9 +154,10 @@ _STILL_LEASED = (
 def end_leases(
     job_ids: list[uuid.UUID], tokens: list[uuid.UUID], *, force_index: bool = False
 ) -> tuple[Statement, Any]:
-    """A claim's succeeded jobs, ended together: the lock of those that still carry one
-    of its tokens (the fence; the job-id index named on MySQL), and the delete of a list of
-    ids (give it the locked ones)."""
+    """Succeeded jobs, ended together: the lock of those that still carry one of the
+    tokens, read with the token each carries (the fence: keep a job only if it carries its
+    own run's; the job-id index named on MySQL), and the delete of a list of ids (give it
+    the kept ones)."""
     return (_STILL_LEASED, {"ids": job_ids, "tokens": tokens}), _delete_by(
         JOB, ("job_id",), "ids", force_index
     )
@@ -208,3 +210,19 @@ def expire_lease(job_id: uuid.UUID, token: uuid.UUID, now: datetime) -> Statemen
     """End a lease now with its token kept, so that the next claim counts an unclean end
     (a run whose session was lost, or that ended its worker)."""
     return _EXPIRE, {"id": job_id, "token": token, "now": now}
+
+
+_NEXT_DUE = {
+    "recursive": select(func.min(_EARLIEST)).where(_RUN_ORDERS.c.run_order.is_not(None)),
+    # Per priority, its first entry of the poll index (a loose index scan).
+    "group_by": select(func.min(JOB.c.process_at))
+    .where(JOB.c.queue == bindparam("queue"), ~_PAUSED)
+    .group_by(JOB.c.queue, JOB.c.run_order),
+}
+
+
+def next_due(queue: str, scan: PriorityScan) -> Statement:
+    """When the queue's next job is due, running or not (a lease's expiry, a scheduled
+    job's time): the earliest ``process_at`` of each priority, one probe of the poll index
+    each, however many jobs wait; a plain read, none when the queue is paused."""
+    return _NEXT_DUE[scan], {"queue": queue}

@@ -1,0 +1,170 @@
+"""Lease mode at full speed: one poller per worker feeds its threads, and one completer
+archives the handlers' successes together.
+
+The threaded worker's poller claims up to as many jobs as its threads have room for (times
+``batch_size``) in one claim, and puts them on an in-process queue that the threads take
+from: the threads run handlers only. While the queue is drained the poller alone waits. A
+job waiting in the queue keeps its lease (the heartbeat renews it with the running ones);
+a stop gives the unstarted ones back at once, uncharged.
+
+A handler that returned without using ``job.session`` has nothing of its own to commit: its
+completion joins the completer's group, which ends every queued job where it still carries
+its run's token and archives them in one transaction, every ``FLUSH_DELAY`` seconds or
+``FLUSH_JOBS`` jobs. Until that commit the job is only leased: a worker that dies in
+between leaves it to run again once its lease expires (at-least-once, as any lease-mode
+crash). A handler that used its session completes in its own transaction, with its writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC
+
+from sqla_proletarian.leases import LeaseConnections, LeasedRun, LeaseRunner
+from sqla_proletarian.logs import log_event
+
+#: Seconds a succeeded job waits for others before the completer archives them together.
+FLUSH_DELAY = 0.005
+#: Jobs the completer archives in one transaction at most.
+FLUSH_JOBS = 100
+#: Seconds the poller of a drained queue waits while LISTEN wakes it (its safety poll):
+#: never past the queue's next due time (a scheduled job, an expiring lease).
+SAFETY_POLL = 10.0
+
+
+class Completer:
+    """A thread that archives queued successes together; close() archives what is left."""
+
+    def __init__(self, complete: Callable[[list[LeasedRun]], None], name: str) -> None:
+        self._complete = complete
+        self._queued: list[LeasedRun] = []
+        self._changed = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._flush_until_closed, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def add(self, run: LeasedRun) -> None:
+        """Queue a run's completion (done at once, in the caller's thread, once closed)."""
+        with self._changed:
+            if not self._closing:
+                self._queued.append(run)
+                self._changed.notify()
+                return
+        self._flush([run])
+
+    def close(self) -> None:
+        """Archive what is queued, then end the thread."""
+        with self._changed:
+            self._closing = True
+            self._changed.notify()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _flush_until_closed(self) -> None:
+        while True:
+            with self._changed:
+                while not self._queued and not self._closing:
+                    self._changed.wait()
+                if not self._queued:
+                    return
+                deadline = time.monotonic() + FLUSH_DELAY
+                while len(self._queued) < FLUSH_JOBS and not self._closing:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._changed.wait(left)
+                runs, self._queued = self._queued[:FLUSH_JOBS], self._queued[FLUSH_JOBS:]
+            self._flush(runs)
+
+    def _flush(self, runs: list[LeasedRun]) -> None:
+        try:
+            self._complete(runs)
+        except Exception as exc:  # the runner logs its own failures; this is a last guard
+            log_event(logging.ERROR, "completion-error", jobs=len(runs), error=repr(exc))
+
+
+class Feeder:
+    """The poller's in-process queue of claimed jobs, and the room its threads have."""
+
+    def __init__(
+        self, runner: LeaseRunner, threads: int, batch_size: int, wake: threading.Event
+    ) -> None:
+        self.runner = runner
+        self._threads = threads
+        self._batch_size = batch_size
+        #: Set when a thread becomes free (the poller may claim again).
+        self._wake = wake
+        self._queue: queue.SimpleQueue[LeasedRun | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        #: Jobs claimed and not yet ended: queued or running.
+        self._held = 0
+        self.completer = Completer(runner.complete, f"{runner.settings.worker_id}-completer")
+
+    def start(self) -> None:
+        self.completer.start()
+
+    def room(self) -> int:
+        """Jobs the poller may claim now: none while every thread has a job of its own or
+        queued, else up to ``batch_size`` per thread, less the ones held."""
+        with self._lock:
+            if self._held >= self._threads:
+                return 0
+            return self._threads * self._batch_size - self._held
+
+    def claim(self, connections: LeaseConnections) -> int:
+        """Claim up to room() jobs into the queue; how many."""
+        room = self.room()
+        if not room:
+            connections.release()  # no connection is held while every thread is busy
+            return 0
+        runs = self.runner.claim(connections, room)
+        with self._lock:
+            self._held += len(runs)
+        for run in runs:
+            self._queue.put(run)
+        return len(runs)
+
+    def next_due_in(self, connections: LeaseConnections) -> float | None:
+        """Seconds until the queue's next job is due (None: none is queued)."""
+        due = self.runner.next_due(connections)
+        if due is None:
+            return None
+        if due.tzinfo is None:
+            due = due.replace(tzinfo=UTC)
+        return (due - self.runner.now()).total_seconds()
+
+    def work(self, stopping: Callable[[], bool]) -> None:
+        """A worker thread: run the queued jobs until the poller ends the queue."""
+        while (run := self._queue.get()) is not None:
+            try:
+                if stopping():
+                    self.runner.give_back([run])
+                else:
+                    self.runner.run_claimed(run, self.completer.add)
+            finally:
+                with self._lock:
+                    self._held -= 1
+                self._wake.set()
+
+    def end(self) -> None:
+        """The poller is done: give the unstarted leases back and end the threads' loops."""
+        unstarted: list[LeasedRun] = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                run = self._queue.get_nowait()
+                if run is not None:
+                    unstarted.append(run)
+        with self._lock:
+            self._held -= len(unstarted)
+        try:
+            self.runner.give_back(unstarted)
+        finally:
+            for _ in range(self._threads):
+                self._queue.put(None)

@@ -1,0 +1,225 @@
+"""Lease mode's threaded worker at full speed: one poller claims for all its threads and
+alone waits on a drained queue (woken by an enqueue, never past the next due job), and the
+successes of handlers that did not use ``job.session`` are completed together, in few
+transactions, by the time the worker's stop returns."""
+
+from __future__ import annotations
+
+import re
+import threading
+import uuid
+from collections import Counter
+from datetime import UTC
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from helpers import archived, count, enqueue_committed, jobs, running, wait_for
+from lease_helpers import Base, Note, notes
+from sqlalchemy.orm import Session
+
+import sqla_proletarian as sp
+
+#: Long enough that no lease expires and no heartbeat runs while a test looks.
+LONG_LEASE = {"lease_seconds": 60.0, "polling_interval": 0.02}
+#: A polling interval no test waits for: whatever runs a job sooner was woken or scheduled.
+NEVER = 30.0
+
+
+@pytest.fixture
+def engine(database: Any) -> sa.Engine:
+    """An engine on a fresh database with the library's tables and the notes table."""
+    engine = database.engine()
+    Base.metadata.create_all(engine)
+    return engine
+
+
+#: A statement that deletes jobs (an end of a run): plain, MySQL's multi-table form, in a CTE.
+DELETES_JOBS = re.compile(r"DELETE (\w+ )?FROM proletarian_job\b")
+
+
+class Statements:
+    """What a worker's engine runs: its polls by thread, and its completion transactions
+    (those that deleted jobs) with the notes each inserted."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self.polls: Counter[str] = Counter()
+        self.completions: list[int] = []
+        self._lock = threading.Lock()
+        sa.event.listen(engine, "before_cursor_execute", self._executed)
+        sa.event.listen(engine, "commit", self._committed)
+        sa.event.listen(engine, "rollback", self._rolled_back)
+
+    def _executed(self, conn: sa.Connection, cursor: Any, statement: str, *args: Any) -> None:
+        text = " ".join(statement.split())
+        if text.startswith(("SELECT", "WITH")) and "FROM proletarian_job" in text and "<=" in text:
+            # A poll for due jobs (SQLite: its look for one first).
+            with self._lock:
+                self.polls[threading.current_thread().name] += 1
+        if DELETES_JOBS.search(text):
+            conn.info["sp-test-deleted"] = True
+        if "INSERT INTO lease_notes" in text:
+            conn.info["sp-test-notes"] = conn.info.get("sp-test-notes", 0) + 1
+
+    def _committed(self, conn: sa.Connection) -> None:
+        if conn.info.pop("sp-test-deleted", False):
+            with self._lock:
+                self.completions.append(conn.info.get("sp-test-notes", 0))
+        conn.info.pop("sp-test-notes", None)
+
+    def _rolled_back(self, conn: sa.Connection) -> None:
+        conn.info.pop("sp-test-deleted", None)
+        conn.info.pop("sp-test-notes", None)
+
+    def pollers(self) -> set[str]:
+        with self._lock:
+            return set(self.polls)
+
+    def total_polls(self) -> int:
+        with self._lock:
+            return sum(self.polls.values())
+
+
+def test_successes_that_wrote_nothing_complete_together_in_few_transactions(
+    database: Any, engine: sa.Engine
+) -> None:
+    """50 no-op jobs on 4 threads at batch_size 1: their completions are grouped, so fewer
+    than 25 transactions delete and archive them (one per job before), each job once."""
+    with Session(engine) as session:
+        sp.enqueue_many(session, [("noop", n) for n in range(50)])
+        session.commit()
+    worker_engine = database.engine()
+    statements = Statements(worker_engine)
+    worker = sp.create_queue_worker(
+        worker_engine, lambda job_type, payload: None, worker_threads=4, **LONG_LEASE
+    )
+    with running(worker):
+        assert wait_for(lambda: count(engine, sp.ArchivedJob) == 50)
+    assert len(statements.completions) < 25, statements.completions
+    assert sorted(row.status for row in archived(engine)) == ["success"] * 50
+    assert worker.summary() == {"succeeded": 50, "retried": 0, "failed": 0}
+    assert jobs(engine) == []
+
+
+def test_a_handler_that_wrote_through_its_session_completes_alone_with_its_writes(
+    database: Any, engine: sa.Engine
+) -> None:
+    """Beside 40 no-op jobs, 10 whose handlers write a note through job.session: each of
+    those completes in a transaction of its own that holds its note (10 such), while the
+    no-op ones share fewer (30 at most); every note and every job is there once."""
+    with Session(engine) as session:
+        sp.enqueue_many(session, [("write" if n % 5 == 0 else "noop", n) for n in range(50)])
+        session.commit()
+
+    def handler(job: sp.JobContext) -> None:
+        if job.job_type == "write":
+            job.session.add(Note(text=f"note {job.payload}"))
+
+    worker_engine = database.engine()
+    statements = Statements(worker_engine)
+    worker = sp.create_queue_worker(
+        worker_engine, handler, handler_mode="advanced", worker_threads=4, **LONG_LEASE
+    )
+    with running(worker):
+        assert wait_for(lambda: count(engine, sp.ArchivedJob) == 50)
+    with_notes = [n for n in statements.completions if n]
+    assert with_notes == [1] * 10, statements.completions
+    assert len(statements.completions) - len(with_notes) < 30, statements.completions
+    assert sorted(notes(engine)) == sorted(f"note {n}" for n in range(0, 50, 5))
+    assert jobs(engine) == []
+
+
+def test_a_worker_stopped_with_completions_queued_archives_them_together_before_stop_returns(
+    database: Any, engine: sa.Engine
+) -> None:
+    """Four handlers return only once the worker is stopping (the first one stops it):
+    when stop() returns their four jobs are archived, by fewer than four transactions (the
+    completions were grouped)."""
+    for n in range(4):
+        enqueue_committed(engine, "held", n)
+    started = threading.Barrier(4)
+    release = threading.Event()
+
+    def handler(job_type: str, payload: Any) -> None:
+        started.wait(10)
+        if payload == 0:
+            worker.stop()  # from a handler: asks for the stop and returns at once
+            release.set()
+        assert release.wait(10)
+
+    worker_engine = database.engine()
+    statements = Statements(worker_engine)
+    worker = sp.create_queue_worker(worker_engine, handler, worker_threads=4, **LONG_LEASE)
+    worker.start()
+    assert release.wait(10)
+    worker.stop()
+    assert count(engine, sp.ArchivedJob) == 4, "archived before stop() returned"
+    assert worker.summary() == {"succeeded": 4, "retried": 0, "failed": 0}
+    assert len(statements.completions) < 4, statements.completions
+
+
+def test_with_four_threads_and_an_empty_queue_only_the_poller_polls(
+    database: Any, engine: sa.Engine
+) -> None:
+    """An idle worker of four threads polls from one thread only (each thread polled for
+    itself before)."""
+    worker_engine = database.engine()
+    statements = Statements(worker_engine)
+    worker = sp.create_queue_worker(
+        worker_engine,
+        lambda job_type, payload: None,
+        worker_threads=4,
+        poll_only=True,
+        **LONG_LEASE,
+    )
+    with running(worker):
+        assert wait_for(lambda: statements.total_polls() >= 20)
+    assert len(statements.pollers()) == 1, statements.polls
+
+
+def test_an_enqueue_wakes_the_poller_alone_and_its_job_runs_at_once(
+    database: Any, engine: sa.Engine
+) -> None:
+    """With a polling interval no test waits for, an enqueue in this process (and NOTIFY on
+    PostgreSQL) wakes the poller: the job runs at once, and the poller is the only thread
+    that polled (woken threads each polled before)."""
+    worker_engine = database.engine()
+    statements = Statements(worker_engine)
+    ran = threading.Event()
+    worker = sp.create_queue_worker(
+        worker_engine,
+        lambda job_type, payload: ran.set(),
+        worker_threads=4,
+        lease_seconds=60.0,
+        polling_interval=NEVER,
+    )
+    with running(worker):
+        assert wait_for(lambda: statements.total_polls() >= 1)
+        enqueue_committed(engine, "wake")
+        assert ran.wait(10)
+        assert wait_for(lambda: count(engine, sp.ArchivedJob) == 1)
+    assert len(statements.pollers()) == 1, statements.polls
+
+
+def test_a_scheduled_job_starts_on_time_while_the_poller_waits_long(
+    database: Any, engine: sa.Engine
+) -> None:
+    """A job due in a second, enqueued before the worker started (so nothing wakes it): the
+    drained poller waits until the job's due time, not its polling interval (nor, with
+    LISTEN, its safety poll), and the job starts at its time."""
+    job_id: uuid.UUID = enqueue_committed(engine, "later", process_in=1)
+    with Session(engine) as session:
+        due = session.get_one(sp.Job, job_id).process_at
+    started: list[Any] = []
+    ran = threading.Event()
+
+    def handler(job_type: str, payload: Any) -> None:
+        started.append(sp.utc_now())
+        ran.set()
+
+    worker = sp.create_queue_worker(
+        database.engine(), handler, worker_threads=4, lease_seconds=60.0, polling_interval=NEVER
+    )
+    with running(worker):
+        assert ran.wait(10), "the job waited for the polling interval"
+    assert started[0] >= (due if due.tzinfo else due.replace(tzinfo=UTC))
