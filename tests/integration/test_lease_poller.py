@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from helpers import archived, count, enqueue_committed, jobs, running, wait_for
-from lease_helpers import Base, Note, notes
+from lease_helpers import Base, Note, job_row, notes
 from sqlalchemy.orm import Session
 
 import sqla_proletarian as sp
@@ -223,3 +223,40 @@ def test_a_scheduled_job_starts_on_time_while_the_poller_waits_long(
     with running(worker):
         assert ran.wait(10), "the job waited for the polling interval"
     assert started[0] >= (due if due.tzinfo else due.replace(tzinfo=UTC))
+
+
+def test_a_stop_gives_queued_unstarted_leases_back_at_once_uncharged(
+    database: Any, engine: sa.Engine
+) -> None:
+    """One thread at batch_size 3: while the first job runs, the two claimed behind it wait
+    in the worker's queue; a stop gives their leases back at once (no token, no attempt
+    counted), before the running job ends, and they never run in this worker."""
+    first, *queued = (enqueue_committed(engine, "queued", n) for n in range(3))
+    started, release = threading.Event(), threading.Event()
+    ran: list[int] = []
+
+    def handler(job_type: str, payload: Any) -> None:
+        ran.append(payload)
+        started.set()
+        assert release.wait(10)
+
+    worker = sp.create_queue_worker(database.engine(), handler, batch_size=3, **LONG_LEASE)
+    worker.start()
+    stopper = threading.Thread(target=worker.stop)
+    try:
+        assert started.wait(10)
+        assert all(job_row(engine, job_id).lease_token is not None for job_id in queued)
+        stopper.start()
+
+        def given_back() -> bool:
+            rows = [job_row(engine, job_id) for job_id in queued]
+            return all(row.lease_token is None and row.attempts == 0 for row in rows)
+
+        assert wait_for(given_back), "the queued leases were given back while a job ran"
+    finally:
+        release.set()
+        if stopper.ident is not None:
+            stopper.join(30)
+        worker.stop()
+    assert ran == [0]
+    assert [row.job_id for row in archived(engine)] == [first]
