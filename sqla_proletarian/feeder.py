@@ -111,12 +111,14 @@ class Feeder:
         self.completer.start()
 
     def room(self) -> int:
-        """Jobs the poller may claim now: none while every thread has a job of its own or
-        queued, else up to ``batch_size`` per thread, less the ones held."""
+        """Jobs the poller may claim now: up to ``batch_size`` per thread, less the ones
+        held (queued or running); none until the held ones are down to a job per thread,
+        or half of the most (so that a batch is claimed while the last one still runs)."""
+        most = self._threads * self._batch_size
         with self._lock:
-            if self._held >= self._threads:
+            if self._held >= max(self._threads, most // 2):
                 return 0
-            return self._threads * self._batch_size - self._held
+            return most - self._held
 
     def claim(self, connections: LeaseConnections) -> int:
         """Claim up to room() jobs into the queue; how many."""

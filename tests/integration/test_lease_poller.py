@@ -260,3 +260,55 @@ def test_a_stop_gives_queued_unstarted_leases_back_at_once_uncharged(
         worker.stop()
     assert ran == [0]
     assert [row.job_id for row in archived(engine)] == [first]
+
+
+def _kill_session(admin: sa.Engine, dbapi_connection: Any) -> None:
+    """End a worker connection's server session from another connection (a lost session)."""
+    with admin.connect() as conn:
+        if admin.dialect.name == "postgresql":
+            info = getattr(dbapi_connection, "info", None)
+            pid = info.backend_pid if info is not None else dbapi_connection.get_backend_pid()
+            conn.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        else:
+            conn.exec_driver_sql(f"KILL {int(dbapi_connection.thread_id())}")
+
+
+@pytest.mark.parametrize("kills", [1, 2])
+def test_a_grouped_completion_whose_session_is_lost_is_tried_again_else_given_back(
+    database: Any, engine: sa.Engine, kills: int
+) -> None:
+    """The server ends the completer's session as it deletes a group (once: the flush is
+    tried again on a fresh connection and archives the group; twice: the leases are given
+    back and the jobs run again): either way every job is archived once, as a success."""
+    if database.backend == "sqlite":
+        pytest.skip("SQLite has no server session to end")
+    with Session(engine) as session:
+        sp.enqueue_many(session, [("noop", n) for n in range(8)])
+        session.commit()
+    worker_engine = database.engine()
+    ran: Counter[int] = Counter()
+    lock = threading.Lock()
+    killed: list[str] = []
+
+    def kill_grouped_delete(conn: sa.Connection, cursor: Any, statement: str, *args: Any) -> None:
+        text = " ".join(statement.split())
+        if DELETES_JOBS.search(text) and " IN " in text and len(killed) < kills:
+            killed.append(text)
+            _kill_session(engine, conn.connection.dbapi_connection)
+
+    sa.event.listen(worker_engine, "before_cursor_execute", kill_grouped_delete)
+
+    def handler(job_type: str, payload: Any) -> None:
+        with lock:
+            ran[payload] += 1
+
+    worker = sp.create_queue_worker(worker_engine, handler, worker_threads=4, **LONG_LEASE)
+    with running(worker):
+        assert wait_for(lambda: count(engine, sp.ArchivedJob) == 8)
+    assert len(killed) == kills
+    assert sorted(row.status for row in archived(engine)) == ["success"] * 8
+    assert sorted(row.attempts for row in archived(engine)) == [1] * 8, "given back uncounted"
+    assert worker.summary()["succeeded"] == 8
+    assert jobs(engine) == []
+    assert set(ran) == set(range(8))
+    assert (max(ran.values()) > 1) == (kills > 1), ran

@@ -568,3 +568,19 @@ def test_an_idle_poll_and_one_finding_due_jobs_of_low_priority_read_no_scheduled
             work = measure(conn, first)
             conn.rollback()
             assert 0 < work <= bound, work
+
+
+def test_the_next_due_time_of_a_queue_of_50000_scheduled_jobs_reads_a_few_index_entries(
+    scheduled_engine: sa.Engine, backend: str
+) -> None:
+    """Lease mode's drained poller reads when the queue's next job is due (it waits no
+    longer): the earliest ``process_at`` of 50,000 scheduled jobs, read with the poll
+    index's first entry of each priority, within the bounded work of a poll."""
+    measure, bound = POLL_WORK[backend]
+    statement = statements.next_due(sp.DEFAULT_QUEUE, dialect_of(scheduled_engine).priority_scan)
+    with scheduled_engine.connect() as conn:
+        earliest = conn.execute(sa.select(sa.func.min(statements.JOB.c.process_at))).scalar()
+        assert min(conn.execute(*statement).scalars()) == earliest
+        work = measure(conn, lambda c: c.execute(*statement).all())
+        conn.rollback()
+    assert 0 < work <= bound, work
