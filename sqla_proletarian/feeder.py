@@ -40,7 +40,7 @@ SAFETY_POLL = 10.0
 class Completer:
     """A thread that archives queued successes together; close() archives what is left."""
 
-    def __init__(self, complete: Callable[[list[LeasedRun]], None], name: str) -> None:
+    def __init__(self, complete: Callable[[list[LeasedRun]], object], name: str) -> None:
         self._complete = complete
         self._queued: list[LeasedRun] = []
         self._changed = threading.Condition()
@@ -105,10 +105,15 @@ class Feeder:
         self._lock = threading.Lock()
         #: Jobs claimed and not yet ended: queued or running.
         self._held = 0
-        self.completer = Completer(runner.complete, f"{runner.settings.worker_id}-completer")
+        self.completer = Completer(self._complete, f"{runner.settings.worker_id}-completer")
 
     def start(self) -> None:
         self.completer.start()
+
+    def _complete(self, runs: list[LeasedRun]) -> None:
+        """Complete successes together; jobs given back instead are due now: poll."""
+        if self.runner.complete(runs):
+            self._wake.set()
 
     def room(self) -> int:
         """Jobs the poller may claim now: up to ``batch_size`` per thread, less the ones

@@ -405,9 +405,10 @@ class LeaseRunner(RunnerBase):
         if runs:
             self._release(runs)
 
-    def complete(self, runs: list[LeasedRun]) -> None:
-        """Archive deferred successes together (see _complete_together)."""
-        self._complete_together(runs)
+    def complete(self, runs: list[LeasedRun]) -> bool:
+        """Archive deferred successes together (see _complete_together); True if they
+        could not be and their leases were given back (the jobs are due again now)."""
+        return self._complete_together(runs)
 
     def next_due(self, connections: LeaseConnections) -> datetime | None:
         """When the queue's next job is due, a leased one's expiry included (None: none)."""
@@ -640,7 +641,7 @@ class LeaseRunner(RunnerBase):
         session.abandon()
         return self._failed(run, session, context, error)
 
-    def _complete_together(self, runs: list[LeasedRun]) -> None:
+    def _complete_together(self, runs: list[LeasedRun]) -> bool:
         """Archive deferred successes in one transaction: those that still carry their
         run's token (the others' leases were taken: fenced off). A failure is tried once
         more on a fresh connection (the fence keeps a committed first try from archiving
@@ -661,17 +662,17 @@ class LeaseRunner(RunnerBase):
                             error=repr(exc),
                         )
                         continue
-                    self._not_completed(runs, exc)
+                    return self._not_completed(runs, exc)
         finally:
             self._forget(*runs)
-        if kept is None:
-            return
+        assert kept is not None
         for run in runs:
             if run.job_id in kept:
                 log_event(logging.DEBUG, "job-finished", **self._fields(run.job))
                 self._finished(run.job, "succeeded", None)
             else:
                 self._fenced(run)
+        return False
 
     def _end_together(self, runs: list[LeasedRun]) -> set[uuid.UUID]:
         """Delete the runs' jobs that still carry their tokens and archive them as
@@ -707,9 +708,9 @@ class LeaseRunner(RunnerBase):
         finally:
             session.release()
 
-    def _not_completed(self, runs: list[LeasedRun], exc: Exception) -> None:
+    def _not_completed(self, runs: list[LeasedRun], exc: Exception) -> bool:
         """Deferred successes could not be completed: give their leases back (the jobs run
-        again, their runs not counted), or, if that fails too, leave them to expire."""
+        again, their runs not counted; True), or, if that fails too, leave them to expire."""
         log_event(
             logging.ERROR,
             "outcome-recording-error",
@@ -720,6 +721,7 @@ class LeaseRunner(RunnerBase):
         )
         try:
             self._execute(sql.release_leases([r.job_id for r in runs], self._tokens(runs)))
+            return True
         except Exception as error:
             log_event(
                 logging.WARNING,
@@ -728,6 +730,7 @@ class LeaseRunner(RunnerBase):
                 error=repr(error),
                 hint="the jobs run again once their leases expire",
             )
+            return False
 
     def _failed(
         self,

@@ -599,17 +599,19 @@ def test_a_batched_lease_claim_runs_each_job_once_each_completed_with_its_own_wr
     assert worker.summary() == {"succeeded": 60, "retried": 1, "failed": 0}
 
 
-def test_a_batchs_successes_completed_together_are_fenced_one_by_one(
+def test_successes_completed_together_are_fenced_one_by_one(
     database: Any, engine: sa.Engine
 ) -> None:
-    """A batch archives its jobs that succeeded without writing through their sessions
-    together at its end, each only if it still carries the claim's token: a job whose lease
-    expired meanwhile and that another worker ran is archived once, by that run."""
+    """Successes that wrote nothing through their sessions are archived together, each only
+    if it still carries its run's token: the first job's lease expires while its completion
+    waits (the server is about to lock it), another worker runs and archives it, and the
+    group's completion leaves it alone: each job is archived once."""
     if engine.dialect.name == "sqlite":
-        pytest.skip("SQLite claims one job at a time")
+        pytest.skip("SQLite: the completion's transaction holds the write lock a takeover needs")
     first, second, third = (enqueue_committed(engine, "batched", n) for n in range(3))
-    blocked, release = threading.Event(), threading.Event()
+    blocked, release, taken = threading.Event(), threading.Event(), threading.Event()
     runs: list[tuple[int, str]] = []
+    fired: list[str] = []
 
     def handler(job: sp.JobContext) -> None:
         runs.append((job.payload, threading.current_thread().name))
@@ -617,22 +619,35 @@ def test_a_batchs_successes_completed_together_are_fenced_one_by_one(
             blocked.set()
             release.wait(10)
 
-    worker = sp.create_queue_worker(
-        database.engine(), handler, handler_mode="advanced", batch_size=3, **LONG_LEASE
-    )
-    with running(worker):
-        assert blocked.wait(10)
-        # The first job's handler is done, its completion deferred: its lease expires.
-        with engine.begin() as conn:
-            conn.execute(
+    def take_over(conn: sa.Connection, cursor: Any, statement: str, *args: Any) -> None:
+        """Before the first group's lock (the first job's alone, while the second runs):
+        its lease expires and another worker runs the job to its end."""
+        text = " ".join(statement.split())
+        grouped_lock = text.startswith("SELECT") and "lease_token IN" in text
+        if not grouped_lock or "SKIP LOCKED" in text or fired:
+            return
+        fired.append(text)
+        with engine.begin() as other:
+            other.execute(
                 sa.update(JOB).where(JOB.c.job_id == first).values(process_at=sp.utc_now())
             )
         assert sp.process_next_job(engine, handler, handler_mode="advanced", **LONG_LEASE)
+        taken.set()
+
+    worker_engine = database.engine()
+    sa.event.listen(worker_engine, "before_cursor_execute", take_over)
+    worker = sp.create_queue_worker(
+        worker_engine, handler, handler_mode="advanced", batch_size=3, **LONG_LEASE
+    )
+    with running(worker):
+        assert blocked.wait(10)
+        assert taken.wait(10)
         release.set()
         assert wait_for(lambda: count(engine, sp.ArchivedJob) == 3)
         assert wait_for(lambda: sum(worker.summary().values()) == 2)
     assert [payload for payload, _ in runs] == [0, 1, 0, 2]
     assert sorted(row.job_id for row in archived(engine)) == sorted([first, second, third])
+    assert archived_job(engine, first).attempts == 2, "archived by the run that took it"
     assert jobs(engine) == []
     assert worker.summary() == {"succeeded": 2, "retried": 0, "failed": 0}
 
