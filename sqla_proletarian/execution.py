@@ -15,7 +15,7 @@ from typing import Any, Literal
 from sqlalchemy import Connection
 from sqlalchemy import exc as sa_exc
 
-from sqla_proletarian import ledger, telemetry
+from sqla_proletarian import direct, ledger, telemetry
 from sqla_proletarian import statements as sql
 from sqla_proletarian.dialects import dialect_of
 from sqla_proletarian.errors import (
@@ -118,13 +118,13 @@ def poll_due_jobs(
     after = None
     if dialect.poll_finds_priority:
         first = sql.poll_first(queue, now, limit, with_runs=with_runs, excluding=excluding)
-        jobs.extend(dict(row) for row in conn.execute(*first).mappings())
+        jobs.extend(direct.execute(conn, *first).mappings())
         if len(jobs) == limit:
             return jobs
         if jobs:
             after = jobs[0]["run_order"]
     priorities = sql.due_run_orders(queue, now, dialect.priority_scan)
-    for run_order in sorted(conn.execute(*priorities).scalars()):
+    for run_order in sorted(direct.execute(conn, *priorities).scalars()):
         if after is not None and run_order <= after:
             continue
         poll = sql.poll(
@@ -135,7 +135,7 @@ def poll_due_jobs(
             with_runs=with_runs,
             excluding=excluding,
         )
-        jobs.extend(dict(row) for row in conn.execute(*poll).mappings())
+        jobs.extend(direct.execute(conn, *poll).mappings())
         if len(jobs) == limit:
             break
     return jobs
@@ -346,7 +346,7 @@ class JobRunner(RunnerBase):
         force_index = self.dialect.force_index
         if not succeeded:
             for statement in sql.end_claim_runs(ended, own, force_index=force_index):
-                conn.execute(*statement)
+                direct.execute(conn, *statement)
             return
         statements = sql.archive_succeeded(
             succeeded,
@@ -357,7 +357,7 @@ class JobRunner(RunnerBase):
             returning=self.dialect.deletes_runs_with_job,
             force_index=force_index,
         )
-        counted = [conn.execute(*statement).rowcount for statement in statements]
+        counted = [direct.execute(conn, *statement).rowcount for statement in statements]
         # The job rows the archive insert read (PostgreSQL) or the job delete removed.
         removed = counted[0] if len(counted) == 1 else counted[1]
         if removed != len(succeeded):
@@ -665,7 +665,7 @@ class JobRunner(RunnerBase):
         retry_at, left = self._retry_at(job, context, exc)
         if retry_at is None:
             return self._fail(conn, claim, context, exc, runs)
-        _expect_one(conn.execute(*sql.retry(job["job_id"], retry_at)), "retry")
+        _expect_one(direct.execute(conn, *sql.retry(job["job_id"], retry_at)), "retry")
         log_event(
             logging.INFO,
             "retrying",
@@ -699,7 +699,8 @@ class JobRunner(RunnerBase):
         """Archive the job with its outcome and remove it from the queue, with its run records
         (also leftovers of runs recorded while crash accounting was on) unless the claim
         removes them when it finishes (``with_runs=False``)."""
-        conn.execute(
+        direct.execute(
+            conn,
             *sql.archive(
                 job,
                 status=status,
@@ -707,14 +708,14 @@ class JobRunner(RunnerBase):
                 finished_at=self.now(),
                 error=error,
                 upsert=self.dialect.archive_upsert,
-            )
+            ),
         )
         if with_runs and self.dialect.deletes_runs_with_job:
-            _expect_one(conn.execute(*sql.delete_job_and_runs(job["job_id"])), "delete")
+            _expect_one(direct.execute(conn, *sql.delete_job_and_runs(job["job_id"])), "delete")
             return
-        _expect_one(conn.execute(*sql.delete_job(job["job_id"])), "delete")
+        _expect_one(direct.execute(conn, *sql.delete_job(job["job_id"])), "delete")
         if with_runs:
-            conn.execute(*sql.end_runs(job["job_id"]))
+            direct.execute(conn, *sql.end_runs(job["job_id"]))
 
 
 def _expect_one(result: Any, what: str) -> None:
