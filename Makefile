@@ -61,8 +61,8 @@ docs: venv
 PARALLEL ?= 4
 SERIAL_TESTS := tests/faults tests/integration/test_database_restart.py
 
-# The whole suite; then the worker's conformance tests again through psycopg2 (what a plain
-# postgresql:// URL uses), the worker's core suites on PostgreSQL 18, and a subset on the
+# The whole suite; then the worker's conformance tests again through psycopg2 (the suite's
+# default is psycopg 3, what a plain postgresql:// URL uses on SQLAlchemy 2.1), the worker's core suites on PostgreSQL 18, and a subset on the
 # oldest SQLAlchemy claimed.
 PSYCOPG2_TESTS := tests/integration/test_hardening.py tests/integration/test_worker_outcomes.py \
 	tests/integration/test_batches.py tests/integration/test_wakeups.py \

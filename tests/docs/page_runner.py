@@ -3,8 +3,10 @@
 Usage: ``python page_runner.py BLOCKS.json RESULT.json``. ``BLOCKS.json`` holds the page's
 blocks as ``test_docs.py`` parsed them; every ``python`` block is executed in one namespace
 (compiled under the page's name and real line numbers, so a traceback points into the page),
-every ``$ `` line of a ``console`` block is run with bash, and every block marked
-``<!-- file: NAME -->`` is written to ``NAME`` and checked by parsing. The first failure is
+every command of a ``console`` block is run with bash (a ``bash``/``sh`` block as one script,
+with ``bash -e``), the commands of a block marked ``<!-- not run: WHY -->`` are only checked
+with ``bash -n``, and every block marked ``<!-- file: NAME -->`` is written to ``NAME`` and
+checked by parsing. The first failure is
 written to ``RESULT.json`` (its line, and what went wrong) and ends the run.
 """
 
@@ -50,11 +52,14 @@ def check_file(path: Path, language: str, text: str) -> None:
             raise BlockFailed(f"bash -n {path.name}:\n{done.stderr}")
 
 
-def run_console(block: dict[str, Any]) -> None:
+def run_shell(block: dict[str, Any]) -> None:
+    """Run the block's commands with bash, one shell each, or only parse them (``bash -n``)
+    when the page marks the block as not runnable."""
+    options = ["-n"] if block["not_run"] else ["-e"] if block["language"] != "console" else []
     for line_no, command in block["commands"]:
         try:
             done = subprocess.run(
-                ["bash", "-c", command],
+                ["bash", *options, "-c", command],
                 capture_output=True,
                 text=True,
                 timeout=COMMAND_TIMEOUT,
@@ -65,6 +70,8 @@ def run_console(block: dict[str, Any]) -> None:
                 f"line {line_no}: `{command}` did not finish within {COMMAND_TIMEOUT} s\n"
                 f"{exc.stdout or ''}{exc.stderr or ''}"
             ) from None
+        if done.returncode and block["not_run"]:
+            raise BlockFailed(f"line {line_no}: `{command}` is not valid bash\n{done.stderr}")
         if done.returncode:
             raise BlockFailed(
                 f"line {line_no}: `{command}` exited with {done.returncode}\n"
@@ -94,8 +101,8 @@ def run_blocks(page: str, blocks: list[dict[str, Any]]) -> dict[str, Any] | None
             elif block["language"] == "python":
                 padded = "\n" * line + block["text"]  # the code starts on the fence's next line
                 exec(compile(padded, page, "exec"), namespace)
-            elif block["language"] == "console":
-                run_console(block)
+            elif block["commands"]:
+                run_shell(block)
         except BlockFailed as exc:
             return {"line": line, "language": block["language"], "error": str(exc)}
         except BaseException:
