@@ -33,7 +33,7 @@ source "$$SP_TESTDB_DIR/env"; \
 $(1)
 endef
 
-.PHONY: venv lint docs test test-pg18 test-sqla-oldest faults soak quickstart bench bench-quick bench-batches bench-leases \
+.PHONY: venv lint docs dist publish test test-pg18 test-sqla-oldest faults soak quickstart bench bench-quick bench-batches bench-leases \
 	examples.db.install examples.db.uninstall examples.db.recreate clean
 
 venv: $(STAMP)
@@ -55,6 +55,20 @@ lint: venv
 # reference leaves out (scripts/mkdocs_hooks.py).
 docs: venv
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
+# The sdist and wheel into dist/, checked as a user gets them (scripts/check_dist.sh): twine's
+# metadata check, the migrations, templates, static files and py.typed in the wheel, the
+# Alembic environment and the docs in the sdist, and the wheel installed into a clean venv,
+# outside the checkout, running the quickstart on SQLite. About 45 s. `make publish` uploads
+# what it built (twine's credentials: TWINE_USERNAME/TWINE_PASSWORD or ~/.pypirc).
+# The sdist lists its files afresh: a stale egg-info would carry its old file list into it.
+dist: venv
+	rm -rf dist build sqla_proletarian.egg-info
+	$(VENV)/bin/python -m build --outdir dist .
+	PYTHON=$(PYTHON) TWINE=$(VENV)/bin/twine bash scripts/check_dist.sh dist
+
+publish: dist
+	$(VENV)/bin/twine upload dist/*
 
 # The suite runs in PARALLEL pytest-xdist workers (each test has a database of its own), but
 # for the tests that stop, restart or starve the shared servers, which run alone after it.
@@ -84,7 +98,7 @@ PG18_RUN = if [ -n "$${SP_TEST_POSTGRESQL18_URL:-}" ]; then \
 
 # The dashboard's browser tests need Debian's chromium and chromium-driver: installed here when
 # missing (as root); without them the browser tests skip, and fail under CI.
-test: venv lint docs $(VENV_SQLA_OLDEST)/.installed.stamp
+test: venv lint docs dist $(VENV_SQLA_OLDEST)/.installed.stamp
 	-bash scripts/browser.sh
 	$(call with_testdb,$(VENV)/bin/pytest tests -q -n $(PARALLEL) $(SERIAL_TESTS:%=--ignore=%) && \
 		$(VENV)/bin/pytest $(SERIAL_TESTS) -q && \
