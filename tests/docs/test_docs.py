@@ -285,6 +285,8 @@ def test_runner_refuses_unmarked_and_unknown_blocks(tmp_path: Path) -> None:
         parse_page(page, "<!-- not run: -->\n```console\n$ make test\n```\n")
     with pytest.raises(PageError, match=r"page\.md:2: <!-- not run: --> marks only a shell"):
         parse_page(page, "<!-- not run: slow -->\n```python\nx = 1\n```\n")
+    with pytest.raises(PageError, match=r"page\.md:1: <!-- not run: --> must come right before"):
+        parse_page(page, "<!-- not run: slow -->\nSome text.\n\n```console\n$ true\n```\n")
 
 
 def test_runner_failure_names_page_and_line(tmp_path: Path) -> None:
