@@ -59,13 +59,13 @@ docs: venv
 # The sdist and wheel into dist/, checked as a user gets them (scripts/check_dist.sh): twine's
 # metadata check, the migrations, templates, static files and py.typed in the wheel, the
 # Alembic environment and the docs in the sdist, and the wheel installed into a clean venv,
-# outside the checkout, running the quickstart on SQLite. About 45 s. `make publish` uploads
+# outside the checkout, running the quickstart on SQLite (45 s on a busy 2-core machine). `make publish` uploads
 # what it built (twine's credentials: TWINE_USERNAME/TWINE_PASSWORD or ~/.pypirc).
 # The sdist lists its files afresh: a stale egg-info would carry its old file list into it.
 dist: venv
 	rm -rf dist build sqla_proletarian.egg-info
 	$(VENV)/bin/python -m build --outdir dist .
-	PYTHON=$(PYTHON) TWINE=$(VENV)/bin/twine bash scripts/check_dist.sh dist
+	PYTHON=$(PYTHON) TWINE=$(VENV)/bin/twine PIP=$(VENV)/bin/pip bash scripts/check_dist.sh dist
 
 publish: dist
 	$(VENV)/bin/twine upload dist/*

@@ -4,12 +4,15 @@
 # installed into a clean venv (no editable install, no checkout on sys.path: run from a
 # temporary folder) running the quickstart (examples/quickstart.py, taken from the sdist)
 # and the library's migrations (sqla-proletarian install) on SQLite.
-# Usage: scripts/check_dist.sh [DIST]; PYTHON picks the interpreter (python3), TWINE twine.
+# Usage: scripts/check_dist.sh [DIST]; PYTHON picks the venv's interpreter (python3), TWINE
+# twine, PIP the pip (22.3 or newer) that installs into the venv from outside it, which spares
+# the venv a pip of its own.
 set -euo pipefail
 dist=$(cd "${1:-dist}" && pwd)
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 python=${PYTHON:-python3}
 twine=${TWINE:-twine}
+pip=${PIP:-pip}
 shopt -s nullglob
 wheels=("$dist"/sqla_proletarian-*.whl)
 sdists=("$dist"/sqla_proletarian-*.tar.gz)
@@ -58,8 +61,8 @@ if missing:
     sys.exit("check_dist: missing from the archives:\n  " + "\n  ".join(missing))
 PY
 
-"$python" -m venv "$work/venv"
-"$work/venv/bin/python" -m pip install -q --disable-pip-version-check "${wheels[0]}"
+"$python" -m venv --without-pip "$work/venv"
+"$pip" --python "$work/venv/bin/python" install -q --disable-pip-version-check "${wheels[0]}"
 cd "$work"
 venv/bin/python -c 'import sqla_proletarian as sp, sys
 assert sp.__file__.startswith(sys.prefix), f"imported from {sp.__file__}, not the venv"'
