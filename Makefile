@@ -59,9 +59,9 @@ docs: venv
 # The sdist and wheel into dist/, checked as a user gets them (scripts/check_dist.sh): twine's
 # metadata check, the migrations, templates, static files and py.typed in the wheel, the
 # Alembic environment and the docs in the sdist, and the wheel installed into a clean venv,
-# outside the checkout, running the quickstart on SQLite (45 s on a busy 2-core machine). `make publish` uploads
-# what it built (twine's credentials: TWINE_USERNAME/TWINE_PASSWORD or ~/.pypirc).
-# The sdist lists its files afresh: a stale egg-info would carry its old file list into it.
+# outside the checkout, running the quickstart on SQLite: 45 s on a busy 2-core machine. The
+# sdist lists its files afresh (a stale egg-info would carry its old file list into it).
+# `make publish` uploads what it built (credentials: TWINE_USERNAME/TWINE_PASSWORD or ~/.pypirc).
 dist: venv
 	rm -rf dist build sqla_proletarian.egg-info
 	$(VENV)/bin/python -m build --outdir dist .
