@@ -4,8 +4,9 @@ Usage: ``python page_runner.py BLOCKS.json RESULT.json``. ``BLOCKS.json`` holds 
 blocks as ``test_docs.py`` parsed them; every ``python`` block is executed in one namespace
 (compiled under the page's name and real line numbers, so a traceback points into the page),
 every command of a ``console`` block is run with bash (a ``bash``/``sh`` block as one script,
-with ``bash -e``), the commands of a block marked ``<!-- not run: WHY -->`` are only checked
-with ``bash -n``, and every block marked ``<!-- file: NAME -->`` is written to ``NAME`` and
+with ``bash -e``; under ``<!-- output checked -->`` what each command prints is compared with
+the page), the commands of a block marked ``<!-- not run: WHY -->`` are only checked with
+``bash -n``, and every block marked ``<!-- file: NAME -->`` is written to ``NAME`` and
 checked by parsing. The first failure is
 written to ``RESULT.json`` (its line, and what went wrong) and ends the run.
 """
@@ -54,9 +55,10 @@ def check_file(path: Path, language: str, text: str) -> None:
 
 def run_shell(block: dict[str, Any]) -> None:
     """Run the block's commands with bash, one shell each, or only parse them (``bash -n``)
-    when the page marks the block as not runnable."""
+    when the page marks the block as not runnable; compare their output when it is checked."""
     options = ["-n"] if block["not_run"] else ["-e"] if block["language"] != "console" else []
-    for line_no, command in block["commands"]:
+    outputs = block["outputs"] or [None] * len(block["commands"])
+    for (line_no, command), expected in zip(block["commands"], outputs, strict=True):
         try:
             done = subprocess.run(
                 ["bash", *options, "-c", command],
@@ -76,6 +78,12 @@ def run_shell(block: dict[str, Any]) -> None:
             raise BlockFailed(
                 f"line {line_no}: `{command}` exited with {done.returncode}\n"
                 f"--- stdout\n{done.stdout}--- stderr\n{done.stderr}"
+            )
+        printed = "\n".join(line.rstrip() for line in done.stdout.splitlines()).strip("\n")
+        if expected is not None and printed != expected:
+            raise BlockFailed(
+                f"line {line_no}: `{command}` printed what the page does not show\n"
+                f"--- the page\n{expected}\n--- printed\n{printed}"
             )
 
 

@@ -17,6 +17,8 @@ The convention (what a page may contain):
   because running it would install software, start something that runs until stopped, or
   need what the page cannot provide; WHY says which, and may not be empty. Its commands are
   still checked with ``bash -n``, so a shell syntax error fails the page.
+- A console block right after ``<!-- output checked -->`` has its sample output compared: what
+  each command prints on stdout must be the lines that follow it, up to the next ``$ `` line.
 - A block right after ``<!-- file: NAME -->`` is not executed but written to ``NAME`` in that
   directory, and checked by parsing (``.py`` compiled, ``ini``/``.service`` with
   configparser, ``toml`` with tomllib, ``json``, ``bash -n``); its language must be one of
@@ -55,6 +57,7 @@ PAGE_TIMEOUT = 110
 FENCE = re.compile(r"^(?P<indent> {0,12})(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`]*)$")
 FILE_MARKER = re.compile(r"^\s*<!--\s*file:\s*(?P<name>\S+)\s*-->\s*$")
 NOT_RUN_MARKER = re.compile(r"^\s*<!--\s*not run:(?P<why>.*?)-->\s*$")
+OUTPUT_MARKER = re.compile(r"^\s*<!--\s*output checked\s*-->\s*$")
 #: Languages of the blocks that run through bash.
 SHELL = ("console", "bash", "sh", "shell")
 #: Languages a page may run without a file marker.
@@ -81,6 +84,8 @@ class Block:
     #: ``not_run`` says why not.
     commands: list[tuple[int, str]] = field(default_factory=list)
     not_run: str | None = None
+    #: Under ``<!-- output checked -->``: the stdout each command must print.
+    outputs: list[str] | None = None
 
 
 def parse_page(path: Path, text: str | None = None, *, shell_only: bool = False) -> list[Block]:
@@ -91,6 +96,7 @@ def parse_page(path: Path, text: str | None = None, *, shell_only: bool = False)
     blocks: list[Block] = []
     marker: str | None = None
     not_run: tuple[int, str] | None = None
+    checked: int | None = None
     index = 0
     while index < len(lines):
         line = lines[index]
@@ -98,6 +104,10 @@ def parse_page(path: Path, text: str | None = None, *, shell_only: bool = False)
         skipped = NOT_RUN_MARKER.match(line)
         if found:
             marker = found["name"]
+            index += 1
+            continue
+        if OUTPUT_MARKER.match(line):
+            checked = index + 1
             index += 1
             continue
         if skipped:
@@ -114,9 +124,12 @@ def parse_page(path: Path, text: str | None = None, *, shell_only: bool = False)
         if not opening:
             if line.strip():
                 marker = None
-                if not_run is not None:
+                if not_run is not None or checked is not None:
+                    where, what = (
+                        (not_run[0], "not run:") if not_run else (checked, "output checked")
+                    )
                     raise PageError(
-                        f"{name}:{not_run[0]}: <!-- not run: --> must come right before the "
+                        f"{name}:{where}: <!-- {what} --> must come right before the "
                         "shell block it marks"
                     )
             index += 1
@@ -137,7 +150,7 @@ def parse_page(path: Path, text: str | None = None, *, shell_only: bool = False)
         index += 1
         block = Block(line=start, language=language, text="\n".join(body) + "\n", file=marker)
         block.not_run = not_run[1] if not_run is not None else None
-        marker = not_run = None
+        check_output, marker, not_run, checked = checked is not None, None, None, None
         if block.not_run is not None and (language not in SHELL or block.file is not None):
             raise PageError(
                 f"{name}:{start}: <!-- not run: --> marks only a shell block "
@@ -168,6 +181,12 @@ def parse_page(path: Path, text: str | None = None, *, shell_only: bool = False)
                 block.commands = [(start + 1, block.text)]
             if not block.commands:
                 raise PageError(f"{name}:{start}: a ```{language} block without a command")
+        if check_output:
+            if language != "console" or block.file or block.not_run:
+                raise PageError(
+                    f"{name}:{start}: <!-- output checked --> marks only a console block that runs"
+                )
+            block.outputs = console_outputs(block, body)
         blocks.append(block)
     return blocks
 
@@ -193,6 +212,19 @@ def console_commands(block: Block, body: list[str]) -> list[tuple[int, str]]:
     if pending is not None:
         commands.append(pending)
     return commands
+
+
+def console_outputs(block: Block, body: list[str]) -> list[str]:
+    """The sample output of each command of a console block: the lines after it, up to the
+    next command."""
+    firsts = [line - block.line - 1 for line, _ in block.commands]
+    outputs = []
+    for (first, (_, command)), end in zip(
+        zip(firsts, block.commands, strict=True), [*firsts[1:], len(body)], strict=True
+    ):
+        lines = body[first + command.count("\n") + 1 : end]
+        outputs.append("\n".join(text.rstrip() for text in lines).strip("\n"))
+    return outputs
 
 
 def display_name(path: Path) -> str:
@@ -285,6 +317,8 @@ def test_runner_refuses_unmarked_and_unknown_blocks(tmp_path: Path) -> None:
         parse_page(page, "<!-- not run: -->\n```console\n$ make test\n```\n")
     with pytest.raises(PageError, match=r"page\.md:2: <!-- not run: --> marks only a shell"):
         parse_page(page, "<!-- not run: slow -->\n```python\nx = 1\n```\n")
+    with pytest.raises(PageError, match=r"page\.md:2: <!-- output checked --> marks only a"):
+        parse_page(page, "<!-- output checked -->\n```bash\necho hi\n```\n")
     with pytest.raises(PageError, match=r"page\.md:1: <!-- not run: --> must come right before"):
         parse_page(page, "<!-- not run: slow -->\nSome text.\n\n```console\n$ true\n```\n")
 
@@ -302,6 +336,10 @@ def test_runner_failure_names_page_and_line(tmp_path: Path) -> None:
         "<!-- file: app.toml -->\n```toml\n[broken\n```\n": (":2: the ```toml", "TOMLDecode"),
         "```bash\nfalse\necho never\n```\n": (":1: the ```bash", "exited with 1"),
         "```console\ntrue\nexit 4\n```\n": (":1: the ```console", "exit 4"),
+        "<!-- output checked -->\n```console\n$ echo one\none\n$ echo two; echo 3\ntwo\n```\n": (
+            ":2: the ```console",
+            "printed what the page does not show",
+        ),
         "<!-- not run: runs until stopped -->\n```console\nworker tasks:make() --burst\n```\n": (
             ":2: the ```console",
             "syntax error",
