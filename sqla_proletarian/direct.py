@@ -21,7 +21,7 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, cast
 
-from sqlalchemy import Connection, Executable
+from sqlalchemy import ARRAY, Connection, Executable
 from sqlalchemy.engine import Dialect
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.elements import ClauseElement
@@ -102,6 +102,12 @@ class _Plan:
         #: Whether the SQL text depends on the parameters (expanding IN lists).
         self.expands = bool(compiled.post_compile_params or compiled.literal_execute_params)
         self.text = compiled.string
+        if dialect.driver == "psycopg":
+            # Arrays (of job ids) go in psycopg's binary format: its text format quotes each
+            # element after a regular-expression test.
+            for name, bind in compiled.binds.items():
+                if isinstance(bind.type, ARRAY):
+                    self.text = self.text.replace(f"%({name})s", f"%({name})b")
         self.positions = compiled.positiontup
         self.processors = cast(Mapping[str, Any], compiled._bind_processors)
         columns = compiled._result_columns

@@ -27,7 +27,7 @@ from sqla_proletarian.errors import (
     is_lock_conflict,
     is_transient,
 )
-from sqla_proletarian.handlers import JobContext, JobSession
+from sqla_proletarian.handlers import JobContext, JobSession, StopSignal
 from sqla_proletarian.ledger import ClaimRecords
 from sqla_proletarian.logs import log_event
 from sqla_proletarian.running import (
@@ -342,7 +342,8 @@ class JobRunner(RunnerBase):
         record = connections.record
         # The records of the ended jobs go by job id, the claim's own with them.
         runs = record.run_ids if record is not None else {}
-        own = {job_id: run_id for job_id, run_id in runs.items() if job_id not in ended}
+        ended_ids = set(ended)
+        own = {job_id: run_id for job_id, run_id in runs.items() if job_id not in ended_ids}
         force_index = self.dialect.force_index
         if not succeeded:
             for statement in sql.end_claim_runs(ended, own, force_index=force_index):
@@ -608,10 +609,18 @@ class JobRunner(RunnerBase):
         """Run the handler and write the outcome into the claim's transaction."""
         job = claim.job
         fields = self._fields(job)
-        session = JobSession(conn)
+        # A handler of (job_type, payload) cannot reach the job's transaction: its Session
+        # is made only for a retry strategy or failed-job handler that may need it.
+        plain = self.settings.handler_mode != "advanced"
+        session = _LazySession(conn, made=not plain)
         try:
             payload, decode_error = self._payload(job)
-            context = self._context(job, payload, session)
+            signal = StopSignal()
+
+            def context_of() -> JobContext:
+                return self._context(job, payload, session.made(), signal)
+
+            context = None if plain else context_of()
             limit = self.settings.max_unclean_ends
             # Leases that expired (lease mode's unclean ends) count too; their runs are in
             # attempts already.
@@ -627,28 +636,31 @@ class JobRunner(RunnerBase):
                     expired_leases=leased,
                 )
                 log_event(logging.ERROR, "job-crashed", **fields, unclean_ends=unclean)
-                return self._fail(conn, claim, context, crashed, runs - 1)
+                return self._fail(conn, claim, context or context_of(), crashed, runs - 1)
             if unclean:
                 log_event(logging.WARNING, "job-interrupted", **fields, unclean_ends=unclean)
             log_event(logging.DEBUG, "handling-job", **fields)
             try:
                 if decode_error is not None:
                     raise decode_error
-                with session.handling():
-                    self._call_handler(context)
-                session.finish()
+                if context is None:
+                    self._call_plain(job["job_type"], payload, signal)
+                else:
+                    with session.made().handling():
+                        self._call_handler(context)
+                    session.made().finish()
             except JobTransactionLostError:
                 raise
             except Exception as exc:
-                if not conn.invalidated:
-                    session.discard()
+                if not conn.invalidated and context is not None:
+                    session.made().discard()
                 if conn.invalidated:
                     # The job's transaction is gone with its connection: nothing can be
                     # recorded; the job runs again.
                     raise
                 log_event(logging.WARNING, "handle-job-exception", **fields, error=repr(exc))
                 telemetry.job_error(exc)
-                return self._after_exception(conn, claim, context, exc, runs)
+                return self._after_exception(conn, claim, context or context_of(), exc, runs)
             if claim.past.unclean_ends:
                 self._archive(conn, job, "success", runs, None, with_runs=False)
             else:
@@ -656,7 +668,7 @@ class JobRunner(RunnerBase):
             log_event(logging.DEBUG, "job-finished", **fields)
             return "succeeded", None
         finally:
-            _close_quietly(session)
+            session.close()
 
     def _after_exception(
         self, conn: Connection, claim: _Claim, context: JobContext, exc: Exception, runs: int
@@ -716,6 +728,25 @@ class JobRunner(RunnerBase):
         _expect_one(direct.execute(conn, *sql.delete_job(job["job_id"])), "delete")
         if with_runs:
             direct.execute(conn, *sql.end_runs(job["job_id"]))
+
+
+class _LazySession:
+    """The job's Session, made on first need (a plain handler's run needs none)."""
+
+    __slots__ = ("_conn", "_session")
+
+    def __init__(self, conn: Connection, *, made: bool) -> None:
+        self._conn = conn
+        self._session = JobSession(conn) if made else None
+
+    def made(self) -> JobSession:
+        if self._session is None:
+            self._session = JobSession(self._conn)
+        return self._session
+
+    def close(self) -> None:
+        if self._session is not None:
+            _close_quietly(self._session)
 
 
 def _expect_one(result: Any, what: str) -> None:
