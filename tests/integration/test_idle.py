@@ -1,0 +1,199 @@
+"""An idle worker costs about nothing: of its idle threads one polls for all of them, and on
+PostgreSQL, where LISTEN/NOTIFY wakes it for every committed job, it sleeps until the next
+job is due (or a long safety poll), so jobs scheduled for later and retries still start on
+time, and stop() ends the sleep at once."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from helpers import enqueue_committed, running, wait_for
+
+import sqla_proletarian as sp
+from sqla_proletarian.wakeups import Listener
+
+#: How long an idle worker's statements are counted.
+WINDOW = 1.5
+
+
+class Statements:
+    """Counts the statements sent through an engine's connections."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self.engine = engine
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, *args: Any) -> None:
+        with self._lock:
+            self.count += 1
+
+    def over(self, seconds: float) -> int:
+        """The statements sent over the next ``seconds`` (a measurement window)."""
+        before = self.count
+        threading.Event().wait(seconds)
+        return self.count - before
+
+    def quiet(self, timeout: float = 5.0) -> bool:
+        """Wait until half a second passes without a statement; False after ``timeout``."""
+        return wait_for(lambda: self.over(0.5) == 0, timeout=timeout, interval=0)
+
+
+@contextmanager
+def counted(engine: sa.Engine) -> Iterator[Statements]:
+    statements = Statements(engine)
+    sa.event.listen(engine, "before_cursor_execute", statements)
+    try:
+        yield statements
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", statements)
+
+
+def idle_statements(engine: sa.Engine, threads: int, **options: Any) -> int:
+    """Statements an idle worker of ``threads`` threads sends over ``WINDOW`` seconds, once
+    its first polls are done."""
+    with counted(engine) as statements:
+        worker = sp.create_queue_worker(
+            engine, lambda job_type, payload: None, worker_threads=threads, **options
+        )
+        with running(worker):
+            assert wait_for(lambda: statements.count > 0)
+            threading.Event().wait(0.3)  # its threads' first polls
+            return statements.over(WINDOW)
+
+
+def require_listen(engine: sa.Engine) -> None:
+    if not Listener.supported(engine):
+        pytest.skip("LISTEN/NOTIFY wake-ups: PostgreSQL through psycopg or psycopg2")
+
+
+def test_an_idle_worker_of_four_threads_polls_as_one(database: Any) -> None:
+    """Four idle threads cost what one does: one polls, the others wait (not 4x the polls)."""
+    one = idle_statements(database.engine(), 1, poll_only=True)
+    four = idle_statements(database.engine(), 4, poll_only=True)
+    assert one > 0
+    assert four <= one * 1.5 + 3, (one, four)
+
+
+def test_with_listen_an_idle_worker_sleeps_and_a_job_enqueued_elsewhere_starts_at_once(
+    database: Any, backend: str
+) -> None:
+    """On PostgreSQL an idle worker of four threads sends no statement for seconds on end (the
+    long safety poll), yet a job committed through another engine starts at once."""
+    if backend != "postgresql":
+        pytest.skip("LISTEN/NOTIFY is PostgreSQL's")
+    engine = database.engine()
+    require_listen(engine)
+    started = threading.Event()
+    worker = sp.create_queue_worker(
+        engine, lambda job_type, payload: started.set(), worker_threads=4
+    )
+    with counted(engine) as statements, running(worker):
+        assert statements.quiet(), "the idle worker kept polling"
+        assert statements.over(WINDOW) <= 1
+        enqueue_committed(database.engine(), "work")
+        assert started.wait(5), "the idle worker slept through a committed job"
+
+
+def test_with_listen_a_job_scheduled_ahead_starts_on_time_though_the_worker_sleeps(
+    database: Any, backend: str
+) -> None:
+    """A job due a second after its enqueue starts within a few tenths of a second of its
+    due time, with a handful of statements in between, not a poll every polling interval."""
+    if backend != "postgresql":
+        pytest.skip("LISTEN/NOTIFY is PostgreSQL's")
+    engine = database.engine()
+    require_listen(engine)
+    starts: list[float] = []
+    worker = sp.create_queue_worker(
+        engine, lambda job_type, payload: starts.append(time.time()), worker_threads=4
+    )
+    with counted(engine) as statements, running(worker):
+        assert statements.quiet(), "the idle worker kept polling"
+        before = statements.count
+        due = sp.utc_now() + timedelta(seconds=1)
+        enqueue_committed(database.engine(), "later", process_at=due)
+        assert wait_for(lambda: bool(starts), timeout=5)
+        late = starts[0] - due.timestamp()
+        assert 0 <= late < 0.4, late
+        assert statements.count - before <= 50, statements.count - before
+
+
+def test_with_listen_a_retry_starts_on_time_though_the_worker_sleeps(
+    database: Any, backend: str
+) -> None:
+    """A failed job retried a second later runs again on time: no notification announces a
+    retry, and the sleeping worker wakes for its due time."""
+    if backend != "postgresql":
+        pytest.skip("LISTEN/NOTIFY is PostgreSQL's")
+    engine = database.engine()
+    require_listen(engine)
+    starts: list[float] = []
+
+    def handler(job_type: str, payload: Any) -> None:
+        starts.append(time.time())
+        if len(starts) == 1:
+            raise RuntimeError("first run fails")
+
+    worker = sp.create_queue_worker(
+        engine,
+        handler,
+        worker_threads=4,
+        retry_strategy=lambda job, exc: sp.RetryStrategy(retries=1, delays=[1.0]),
+    )
+    with counted(engine) as statements, running(worker):
+        assert statements.quiet(), "the idle worker kept polling"
+        enqueue_committed(database.engine(), "flaky")
+        assert wait_for(lambda: len(starts) == 2, timeout=5)
+    late = starts[1] - starts[0] - 1.0
+    assert 0 <= late < 0.4, late
+
+
+def test_with_listen_stop_ends_the_long_sleep_at_once(database: Any, backend: str) -> None:
+    """stop() of a worker sleeping in its long safety poll returns at once."""
+    if backend != "postgresql":
+        pytest.skip("LISTEN/NOTIFY is PostgreSQL's")
+    engine = database.engine()
+    require_listen(engine)
+    worker = sp.create_queue_worker(engine, lambda job_type, payload: None, worker_threads=4)
+    with counted(engine) as statements:
+        worker.start()
+        try:
+            assert statements.quiet(), "the idle worker kept polling"
+        finally:
+            began = time.monotonic()
+            worker.stop()
+    assert time.monotonic() - began < 1.0
+
+
+def test_with_listen_periodic_occurrences_are_enqueued_on_time_though_the_worker_sleeps(
+    database: Any, backend: str
+) -> None:
+    """Each occurrence of a periodic job is enqueued and run within a few tenths of a second
+    of its time while the idle worker otherwise sleeps."""
+    if backend != "postgresql":
+        pytest.skip("LISTEN/NOTIFY is PostgreSQL's")
+    engine = database.engine()
+    require_listen(engine)
+    lateness: list[float] = []
+
+    def handler(job: sp.JobContext) -> None:
+        lateness.append((sp.utc_now() - job.process_at).total_seconds())
+
+    worker = sp.create_queue_worker(
+        engine,
+        handler,
+        handler_mode="advanced",
+        worker_threads=4,
+        periodic_jobs=[sp.PeriodicJob("tick", every=timedelta(seconds=1))],
+    )
+    with running(worker):
+        assert wait_for(lambda: len(lateness) >= 2, timeout=5)
+    assert all(0 <= late < 0.4 for late in lateness), lateness
