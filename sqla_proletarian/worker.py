@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Literal, NoReturn
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 from sqlalchemy.pool import QueuePool
 
 from sqla_proletarian import ledger, wakeups
@@ -32,7 +32,13 @@ from sqla_proletarian.leases import check_lease_settings, new_runner
 from sqla_proletarian.logs import log_event
 from sqla_proletarian.models import DEFAULT_QUEUE
 from sqla_proletarian.periodic import PeriodicJob, Scheduler, check_periodic_jobs
-from sqla_proletarian.running import FailedJobHandler, Outcome, RetryStrategyFn, RunSettings
+from sqla_proletarian.running import (
+    FailedJobHandler,
+    Outcome,
+    RetryStrategyFn,
+    RunnerBase,
+    RunSettings,
+)
 from sqla_proletarian.serialization import DEFAULT_SERIALIZER, Serializer
 from sqla_proletarian.values import Clock, check_name, utc_now
 
@@ -179,6 +185,34 @@ class WorkerOptions:
             heartbeat_interval=self.heartbeat_interval,
             job_timeout=self.job_timeout,
         )
+
+
+def polling_pause(burst: int, polling_interval: float) -> tuple[int, float]:
+    """The pause of an idle poller, and the short waits left after it: after an in-process
+    wake-up (``burst`` waits left) the next of ``wakeups.BURST``, else the polling interval."""
+    if burst:
+        return burst - 1, wakeups.BURST[len(wakeups.BURST) - burst]
+    return 0, polling_interval
+
+
+def listening_pause(
+    options: WorkerOptions, scheduler: Scheduler | None, runner: RunnerBase, conn: Connection
+) -> float:
+    """The pause of an idle watcher that LISTEN/NOTIFY wakes for every committed job: until
+    the queue's next job (read on ``conn``) or periodic occurrence is due, at most
+    ``LISTENING_POLL_INTERVAL``, at least the polling interval once a job is due."""
+    interval = options.polling_interval
+    pause = max(LISTENING_POLL_INTERVAL, interval)
+    if scheduler is not None:
+        look = scheduler.next_look()
+        if look is not None:
+            pause = min(pause, max(look, interval))
+    due = runner.next_due(conn)
+    if due is not None:
+        wait = (due - runner.now()).total_seconds()
+        # Due already (running in another transaction, or held): poll as usual.
+        pause = min(pause, wait + DUE_MARGIN if wait > 0 else interval)
+    return float(pause)
 
 
 def scheduler_for(dialect: Dialect, options: WorkerOptions) -> Scheduler | None:
@@ -502,13 +536,9 @@ class QueueWorker:
                 connections.close()
 
     def _own_pause(self) -> float:
-        """The pause of a thread that polls on its own: short ones after an in-process
-        wake-up, then the polling interval."""
-        burst = self._burst
-        if burst:
-            self._burst = burst - 1
-            return wakeups.BURST[len(wakeups.BURST) - burst]
-        return self.options.polling_interval
+        """The pause of a thread that polls on its own (see ``polling_pause``)."""
+        self._burst, pause = polling_pause(self._burst, self.options.polling_interval)
+        return pause
 
     def _idle_pause(self, connections: Any) -> float | None:
         """After an empty poll: how long this thread waits before polling again, or None to
@@ -523,19 +553,7 @@ class QueueWorker:
         listener = self._listener
         if self._burst or listener is None or not listener.listening:
             return self._own_pause()
-        # Woken by every commit of a job: sleep until the next job or occurrence is due.
-        interval = self.options.polling_interval
-        pause = max(LISTENING_POLL_INTERVAL, interval)
-        if self._scheduler is not None:
-            look = self._scheduler.next_look()
-            if look is not None:
-                pause = min(pause, max(look, interval))
-        due = self._runner.next_due(connections.conn)
-        if due is not None:
-            wait = (due - self._runner.now()).total_seconds()
-            # Due already (running in another transaction, or held): poll as usual.
-            pause = min(pause, wait + DUE_MARGIN if wait > 0 else interval)
-        return pause
+        return listening_pause(self.options, self._scheduler, self._runner, connections.conn)
 
     def _idle(self, wakes: int, pause: float | None) -> None:
         """Wait after an empty poll, for ``pause`` seconds (None: no limit); a wake-up since

@@ -5,6 +5,8 @@ time, and stop() ends the sleep at once."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -15,6 +17,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from helpers import enqueue_committed, running, wait_for
+from sqlalchemy.ext.asyncio import create_async_engine
 
 import sqla_proletarian as sp
 from sqla_proletarian.wakeups import Listener
@@ -24,16 +27,34 @@ WINDOW = 1.5
 
 
 class Statements:
-    """Counts the statements sent through an engine's connections."""
+    """Counts the statements sent through an engine's connections, and the worker threads
+    (or asyncio tasks) that sent them."""
 
     def __init__(self, engine: sa.Engine) -> None:
         self.engine = engine
         self.count = 0
+        self.senders: set[str] = set()
         self._lock = threading.Lock()
 
     def __call__(self, *args: Any) -> None:
+        try:
+            task = asyncio.current_task()
+        except RuntimeError:
+            task = None
+        sender = task.get_name() if task is not None else threading.current_thread().name
         with self._lock:
             self.count += 1
+            self.senders.add(sender)
+
+    def settle(self, units: int) -> None:
+        """Wait until ``units`` worker threads or tasks have each sent their first statements
+        (their connections opened, their first polls done)."""
+
+        def started() -> bool:
+            return len([s for s in self.senders if s.startswith("proletarian[")]) >= units
+
+        assert wait_for(started), self.senders
+        threading.Event().wait(0.3)
 
     def over(self, seconds: float) -> int:
         """The statements sent over the next ``seconds`` (a measurement window)."""
@@ -64,9 +85,17 @@ def idle_statements(engine: sa.Engine, threads: int, **options: Any) -> int:
             engine, lambda job_type, payload: None, worker_threads=threads, **options
         )
         with running(worker):
-            assert wait_for(lambda: statements.count > 0)
-            threading.Event().wait(0.3)  # its threads' first polls
+            statements.settle(threads)
             return statements.over(WINDOW)
+
+
+def elsewhere(database: Any) -> sa.Engine:
+    """On PostgreSQL, an engine on the database as another process's would be: its URL
+    differs, so its commits wake this process's workers only through NOTIFY."""
+    if database.backend != "postgresql":
+        return database.engine()  # type: ignore[no-any-return]
+    url = database.url.update_query_dict({"application_name": "elsewhere"})
+    return sa.create_engine(url, poolclass=sa.pool.NullPool)
 
 
 def require_listen(engine: sa.Engine) -> None:
@@ -98,7 +127,7 @@ def test_with_listen_an_idle_worker_sleeps_and_a_job_enqueued_elsewhere_starts_a
     with counted(engine) as statements, running(worker):
         assert statements.quiet(), "the idle worker kept polling"
         assert statements.over(WINDOW) <= 1
-        enqueue_committed(database.engine(), "work")
+        enqueue_committed(elsewhere(database), "work")
         assert started.wait(5), "the idle worker slept through a committed job"
 
 
@@ -119,7 +148,7 @@ def test_with_listen_a_job_scheduled_ahead_starts_on_time_though_the_worker_slee
         assert statements.quiet(), "the idle worker kept polling"
         before = statements.count
         due = sp.utc_now() + timedelta(seconds=1)
-        enqueue_committed(database.engine(), "later", process_at=due)
+        enqueue_committed(elsewhere(database), "later", process_at=due)
         assert wait_for(lambda: bool(starts), timeout=5)
         late = starts[0] - due.timestamp()
         assert 0 <= late < 0.4, late
@@ -150,7 +179,7 @@ def test_with_listen_a_retry_starts_on_time_though_the_worker_sleeps(
     )
     with counted(engine) as statements, running(worker):
         assert statements.quiet(), "the idle worker kept polling"
-        enqueue_committed(database.engine(), "flaky")
+        enqueue_committed(elsewhere(database), "flaky")
         assert wait_for(lambda: len(starts) == 2, timeout=5)
     late = starts[1] - starts[0] - 1.0
     assert 0 <= late < 0.4, late
@@ -197,3 +226,65 @@ def test_with_listen_periodic_occurrences_are_enqueued_on_time_though_the_worker
     with running(worker):
         assert wait_for(lambda: len(lateness) >= 2, timeout=5)
     assert all(0 <= late < 0.4 for late in lateness), lateness
+
+
+# --- the asyncio worker -------------------------------------------------------------------
+
+ASYNC_DRIVER = {"sqlite": "aiosqlite", "postgresql": "asyncpg", "mariadb": "aiomysql"}
+
+
+def async_idle_statements(
+    database: Any, concurrency: int, quiet: bool = False, **options: Any
+) -> tuple[int, bool]:
+    """Statements an idle asyncio worker of ``concurrency`` tasks sends over ``WINDOW``
+    seconds once its first polls are done (``quiet``: once half a second passed without
+    one), and whether a job enqueued through another engine then started within 5 s."""
+    prefix = {"sqlite": "sqlite", "postgresql": "postgresql", "mariadb": "mysql"}[database.backend]
+    url = database.url.set(drivername=f"{prefix}+{ASYNC_DRIVER[database.backend]}")
+
+    async def main() -> tuple[int, bool]:
+        engine = create_async_engine(url)
+        started = asyncio.Event()
+
+        async def handler(job_type: str, payload: Any) -> None:
+            started.set()
+
+        try:
+            with counted(engine.sync_engine) as statements:
+                worker = sp.create_async_queue_worker(
+                    engine, handler, concurrency=concurrency, **options
+                )
+                async with worker:
+                    await asyncio.to_thread(statements.settle, concurrency)
+                    if quiet:
+                        assert await asyncio.to_thread(statements.quiet), "it kept polling"
+                    idle = await asyncio.to_thread(statements.over, WINDOW)
+                    await asyncio.to_thread(enqueue_committed, database.engine(), "work")
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(started.wait(), 5)
+                    return idle, started.is_set()
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(main())
+
+
+def test_an_idle_asyncio_worker_of_four_tasks_polls_as_one(database: Any) -> None:
+    """Four idle tasks of the asyncio worker cost what one does: one polls, the others wait."""
+    one, _ = async_idle_statements(database, 1, poll_only=True)
+    four, started = async_idle_statements(database, 4, poll_only=True)
+    assert started
+    assert one > 0
+    assert four <= one * 1.5 + 3, (one, four)
+
+
+def test_with_listen_an_idle_asyncio_worker_sleeps_and_a_job_enqueued_elsewhere_starts(
+    database: Any, backend: str
+) -> None:
+    """On PostgreSQL (asyncpg) an idle asyncio worker of four tasks sends no statement for
+    seconds on end, yet a job committed through another engine starts at once."""
+    if backend != "postgresql":
+        pytest.skip("LISTEN/NOTIFY is PostgreSQL's")
+    idle, started = async_idle_statements(database, 4, quiet=True)
+    assert idle <= 1
+    assert started, "the idle worker slept through a committed job"
