@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from helpers import enqueue_committed, running, wait_for
+from helpers import enqueue_committed, events, running, wait_for
 from sqlalchemy.ext.asyncio import create_async_engine
 
 import sqla_proletarian as sp
@@ -126,7 +127,7 @@ def test_with_listen_an_idle_worker_sleeps_and_a_job_enqueued_elsewhere_starts_a
     )
     with counted(engine) as statements, running(worker):
         assert statements.quiet(), "the idle worker kept polling"
-        assert statements.over(WINDOW) <= 1
+        assert statements.over(WINDOW) == 0  # nor the owner keeper
         enqueue_committed(elsewhere(database), "work")
         assert started.wait(5), "the idle worker slept through a committed job"
 
@@ -286,5 +287,54 @@ def test_with_listen_an_idle_asyncio_worker_sleeps_and_a_job_enqueued_elsewhere_
     if backend != "postgresql":
         pytest.skip("LISTEN/NOTIFY is PostgreSQL's")
     idle, started = async_idle_statements(database, 4, quiet=True)
-    assert idle <= 1
+    assert idle == 0
     assert started, "the idle worker slept through a committed job"
+
+
+# --- the run-record owner -----------------------------------------------------------------
+
+
+def kill_owner_session(engine: sa.Engine, backend: str) -> None:
+    """End the server session that holds the running job's run-record owner lock (as a
+    failover or an administrator would), leaving the worker and its other sessions alone."""
+    with engine.connect() as conn:
+        owner = conn.execute(sa.select(sp.JobRun.owner)).scalar_one()
+        if backend == "postgresql":
+            holder = conn.exec_driver_sql(
+                "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted"
+                " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            ).scalar_one()
+            conn.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": holder})
+        else:
+            holder = conn.execute(sa.text("SELECT IS_USED_LOCK(:owner)"), {"owner": owner})
+            conn.exec_driver_sql(f"KILL {int(holder.scalar_one())}")
+        conn.commit()
+
+
+def test_while_a_job_runs_the_idle_cheap_owner_is_still_checked_and_taken_back(
+    database: Any, backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An idle worker does not check its run-record owner (it vouches for nothing), but while
+    a job runs it does, every second: a killed owner session is taken back at once, long
+    before the records could count as a dead worker's."""
+    if backend == "sqlite":
+        pytest.skip("SQLite's owner is the process: no session to end")
+    caplog.set_level(logging.INFO, logger="sqla_proletarian")
+    engine = database.engine()
+    started, release = threading.Event(), threading.Event()
+
+    def handler(job_type: str, payload: Any) -> None:
+        started.set()
+        release.wait(20)
+
+    worker = sp.create_queue_worker(engine, handler, worker_threads=2)
+    with running(worker):
+        enqueue_committed(engine, "long")
+        try:
+            assert started.wait(10)
+            kill_owner_session(database.engine(poolclass=sa.pool.NullPool), backend)
+            assert wait_for(lambda: bool(events(caplog.records, "run-owner-taken-back")), 5)
+        finally:
+            release.set()
+        assert wait_for(lambda: worker.summary()["succeeded"] == 1)
+    assert events(caplog.records, "run-owner-lost")
