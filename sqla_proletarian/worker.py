@@ -47,7 +47,7 @@ DEFAULT_WORKER_THREADS = 1
 DEFAULT_POLLING_INTERVAL = 0.1
 #: Seconds an idle worker waits between polls while LISTEN/NOTIFY wakes it (PostgreSQL,
 #: transaction mode), unless a job is due sooner: a committed job wakes it at once, and a job
-#: scheduled for later (a retry, an expired claim) wakes it when due, so this is only a safety
+#: scheduled for later (a retry, an expired lease) wakes it when due, so this is only a safety
 #: net for what no notification announces. Never shorter than ``polling_interval``.
 LISTENING_POLL_INTERVAL = 10.0
 #: Seconds an idle worker sleeps past a job's due time, so that its poll finds it due.
@@ -768,7 +768,9 @@ def create_queue_worker(engine: Engine, handler: Callable[..., Any], **options: 
     """A QueueWorker for ``engine`` that runs ``handler``; call ``.start()`` to begin.
 
     Options: ``queue`` ("default"), ``worker_threads`` (1), ``polling_interval`` (0.1 s; a
-    positive number, as 0 would poll without pause), ``retry_strategy``
+    positive number, as 0 would poll without pause; one idle thread polls for all of them,
+    and while LISTEN wakes the worker it polls when the next job is due, or after
+    ``LISTENING_POLL_INTERVAL``), ``retry_strategy``
     (``(job, exc) -> RetryStrategy | None``; default no retries),
     ``failed_job_handler`` (``(job, exc)``), ``on_polling_error`` (``(exc) -> bool``, True
     stops; default stops), ``handler_mode`` ("default": ``handler(job_type, payload)``;
