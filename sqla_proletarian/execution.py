@@ -178,14 +178,22 @@ class JobRunner(RunnerBase):
 
     def keep_owner(self) -> None:
         """Check that the runner's owner lock is held, taking it back if its session ended
-        (call every ``ledger.KEEPER_INTERVAL`` while the runner works)."""
-        if self._keeper is not None:
+        (call every ``ledger.KEEPER_INTERVAL`` while the runner works); idle, it costs
+        nothing (see ``_owner_needed``)."""
+        if self._keeper is not None and self._owner_needed():
             self._keeper.check()
 
     def start_keeping_owner(self) -> None:
         """Check the owner lock from a thread of its own until ``close()``."""
         if self._keeper is not None:
-            self._keeper.start_checking()
+            self._keeper.start_checking(self._owner_needed)
+
+    def _owner_needed(self) -> bool:
+        """Whether run records may be under the owner: a claim's, from before its records
+        are written until they are removed, or records given up and not removed yet. A
+        session lost while idle is found by the first check after the next claim, within
+        ``KEEPER_INTERVAL`` as always, long before the records could count as gone."""
+        return bool(self._in_flight) or ledger.has_orphans(self._database)
 
     def close(self) -> None:
         """Give the runner's owner lock up (after its last claim)."""
@@ -289,6 +297,8 @@ class JobRunner(RunnerBase):
                 conn.commit()
                 return False
             self._in_flight[in_flight] = connections
+            if self.on_claim is not None:
+                self.on_claim()
             claim = claims[0]
             claims = self._record_claim(connections, claims)
             for claim in claims:

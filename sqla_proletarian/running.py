@@ -128,6 +128,10 @@ class RunnerBase:
         self._batch_size = 1 if self.dialect.claim_takes_write_lock else settings.batch_size
         self._set_up()
 
+    #: Called in the claiming thread when a claim got jobs, before their handlers run (the
+    #: threaded worker's idle threads then poll too: more jobs may be due).
+    on_claim: Callable[[], None] | None = None
+
     def _set_up(self) -> None:
         """The mode's own state (a subclass's)."""
 
@@ -138,6 +142,18 @@ class RunnerBase:
         """Whether a job of the queue is due, read without taking the write lock."""
         due = sql.due_job(self.settings.queue, self.now(), self.dialect.priority_scan)
         return read_alone(conn, due) is not None
+
+    def next_due(self, conn: Connection) -> datetime | None:
+        """When the queue's earliest job is due (None: no job, or the queue is paused), read
+        on the claim's connection without locking anything: an idle worker sleeps until then."""
+        statement = sql.next_due(self.settings.queue, self.dialect.priority_scan)
+        try:
+            times = [row[0] for row in conn.execute(*statement)]
+            conn.rollback()
+        except BaseException:
+            rollback_quietly(conn)
+            raise
+        return min(times, default=None)
 
     def _commits(self, conn: Connection) -> int:
         """SQLite's count of other connections' commits to the file, as seen from ``conn``."""

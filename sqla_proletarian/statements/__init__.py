@@ -24,7 +24,14 @@ from sqla_proletarian.statements.base import (
     RUN,
     Statement,
 )
-from sqla_proletarian.statements.claim import due_run_orders, poll, poll_first, reclaim, relock
+from sqla_proletarian.statements.claim import (
+    due_run_orders,
+    next_due,
+    poll,
+    poll_first,
+    reclaim,
+    relock,
+)
 from sqla_proletarian.statements.dashboard import (
     archived_job,
     archived_jobs,
@@ -148,6 +155,7 @@ __all__ = [
     "lock_leases",
     "lock_to_cancel",
     "lose_runs",
+    "next_due",
     "next_queue",
     "notify_queue",
     "oldest_unclaimed",
