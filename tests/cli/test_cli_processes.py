@@ -4,6 +4,7 @@ still run and archived once; on every backend."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -25,6 +26,10 @@ if TYPE_CHECKING:
 SUMMARY = re.compile(
     r"sqla-proletarian: 2 worker processes stopped: (\d+) succeeded, 0 retried, 0 failed"
 )
+
+
+#: The package under test for the processes too (their environment is otherwise minimal).
+_PYTHONPATH = {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}
 
 
 @pytest.fixture
@@ -54,7 +59,7 @@ def supervise(
                 *args,
             ],
             cwd=directory,
-            env={"PATH": "/usr/bin:/bin", "DATABASE_URL": url_of(database)},
+            env={"PATH": "/usr/bin:/bin", "DATABASE_URL": url_of(database), **_PYTHONPATH},
             stdout=subprocess.DEVNULL,
             stderr=log,
             text=True,
