@@ -203,3 +203,38 @@ def test_the_url_and_log_level_may_come_before_the_command(database: Database) -
     assert overridden.returncode == 0, overridden.stderr
     unknown = assert_one_line_error(cli("--url", url, "frobnicate"), 2)
     assert unknown.startswith("sqla-proletarian: error: argument COMMAND: invalid choice")
+
+
+def _read_order(text: str) -> object:
+    """The test's own helper, where the handler's failure starts: json.loads inside it."""
+    return json.loads(text)
+
+
+def charge(job_type: str, payload: object) -> None:
+    _read_order(str(payload))
+
+
+def test_failed_shows_the_whole_traceback_and_its_json_carries_it(database: Database) -> None:
+    """A failure inside a helper of this module: ``failed`` prints the summary, this file's
+    frames and the innermost (json's) under the job's row, and ``failed --json`` has the
+    same text in ``error``."""
+    engine = database.engine()
+    with engine.begin() as conn:
+        job_id = sp.enqueue(conn, "charge", "{not json")
+    assert sp.process_next_job(engine, charge)
+    url = url_of(database)
+
+    listed = cli("failed", "--json", "--url", url)
+    readable = cli("failed", "--url", url)
+
+    assert listed.returncode == 0 and readable.returncode == 0, listed.stderr + readable.stderr
+    [failure] = json.loads(listed.stdout)["failed"]
+    error = failure["error"]
+    assert failure["job_id"] == str(job_id)
+    assert error.startswith("json.decoder.JSONDecodeError: Expecting property name")
+    assert f'File "{__file__}"' in error and "in _read_order" in error and "in charge" in error
+    frames = [line.strip() for line in error.splitlines() if line.strip().startswith("File ")]
+    assert "decoder.py" in frames[-1], frames
+    _, row, *shown = readable.stdout.splitlines()
+    assert row.split()[:3] == [str(job_id), "default", "charge"]
+    assert [line.removeprefix("    ") for line in shown] == error.splitlines()
