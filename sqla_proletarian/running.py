@@ -218,8 +218,10 @@ class RunnerBase:
             if inspect.iscoroutine(result):
                 result.close()
             raise ProletarianError(
-                "the handler returned an awaitable, so its work never ran: handlers must be "
-                "plain functions (wrap async code with asyncio.run)"
+                "the handler returned an awaitable, so its work never ran: this worker runs "
+                "plain functions; run async handlers in the asyncio worker "
+                "(create_async_queue_worker, which `sqla-proletarian worker` picks for an "
+                "`async def` handler), or wrap async code with asyncio.run"
             )
         if inspect.isgenerator(result):
             result.close()

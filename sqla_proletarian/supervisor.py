@@ -41,7 +41,7 @@ from sqla_proletarian import statements as sql
 from sqla_proletarian.dialects import dialect_of
 from sqla_proletarian.errors import is_transient
 from sqla_proletarian.logs import log_event
-from sqla_proletarian.worker import QueueWorker, create_queue_worker
+from sqla_proletarian.worker import QueueWorker, WorkerOptions, create_queue_worker
 
 __all__ = [
     "EXIT_FORCED",
@@ -120,21 +120,21 @@ def _run_until_drained(engine: Engine, worker: QueueWorker) -> None:
     """Wait while the worker runs and a job of its queue is due."""
     options = worker.options
     interval = max(options.polling_interval, BURST_CHECK_INTERVAL)
-    while worker.running:
-        try:
-            with engine.connect() as conn:
-                due_job = sql.due_job(
-                    options.queue, options.clock(), dialect_of(conn).priority_scan
-                )
-                row = conn.execute(*due_job).first()
-            due = row is not None
-        except Exception as exc:
-            if not is_transient(exc):
-                raise
-            due = True  # the database is away: the worker waits for it too
-        if not due:
-            return
+    while worker.running and any_due(engine, options):
         worker.wait(interval)
+
+
+def any_due(engine: Engine, options: WorkerOptions) -> bool:
+    """Whether a job of the worker's queue is due (running jobs count): what ``burst`` waits
+    for. True while the database is away: the worker waits for it too."""
+    try:
+        with engine.connect() as conn:
+            due_job = sql.due_job(options.queue, options.clock(), dialect_of(conn).priority_scan)
+            return conn.execute(*due_job).first() is not None
+    except Exception as exc:
+        if not is_transient(exc):
+            raise
+        return True
 
 
 def report_to_fd(fd: int) -> Report:

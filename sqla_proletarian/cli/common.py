@@ -20,6 +20,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import URL, make_url
 
 from sqla_proletarian import statements as sql
+from sqla_proletarian.asyncapp import sync_url
 from sqla_proletarian.errors import ConfigurationError, ProletarianError, driver_error
 
 PROG = "sqla-proletarian"
@@ -120,8 +121,9 @@ def _engine(url: URL, **options: Any) -> sa.Engine:
 
 @contextmanager
 def _database(args: argparse.Namespace, **options: Any) -> Iterator[sa.Engine]:
-    """The engine of the command's URL, connected once, disposed of at the end."""
-    engine = _engine(_url(args), **options)
+    """The engine of the command's URL (an async URL's sync twin), connected once, disposed
+    of at the end."""
+    engine = _engine(sync_url(_url(args)), **options)
     try:
         yield engine
     finally:

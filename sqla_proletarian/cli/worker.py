@@ -1,4 +1,5 @@
-"""``worker``: import the handler and run a queue worker, or a supervisor of several processes."""
+"""``worker``: import the handler and run a queue worker (the asyncio worker for ``async def``
+handlers), or a supervisor of several processes."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import importlib
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.engine import URL
 
+from sqla_proletarian.asyncapp import async_url, is_async_handler, run_async_worker
 from sqla_proletarian.cli.common import (
     EXIT_FAILURE,
     PROG,
@@ -36,7 +38,15 @@ from sqla_proletarian.supervisor import (
     run_worker,
     stop_with_supervisor,
 )
-from sqla_proletarian.worker import DEFAULT_POLLING_INTERVAL, DEFAULT_RECONNECT_GRACE, WorkerOptions
+from sqla_proletarian.worker import (
+    DEFAULT_POLLING_INTERVAL,
+    DEFAULT_RECONNECT_GRACE,
+    QueueWorker,
+    WorkerOptions,
+)
+
+if TYPE_CHECKING:
+    from sqla_proletarian.aio import AsyncQueueWorker
 
 # --- loading the handler -------------------------------------------------------------------
 
@@ -142,6 +152,8 @@ def worker(args: argparse.Namespace) -> int:
         options["periodic_jobs"] = periodic
     if args.report_fd is not None:
         stop_with_supervisor()
+    if is_async_handler(handler):
+        return _run_async(args, handler, options)
     with _database(args, pool_size=2 * args.threads + 2) as engine:
         _check_tables(engine)
         done = run_worker(
@@ -152,6 +164,29 @@ def worker(args: argparse.Namespace) -> int:
             install_signal_handlers=True,
             **options,
         )
+    return _ended(done)
+
+
+def _run_async(
+    args: argparse.Namespace, handler: Callable[..., Any], options: dict[str, Any]
+) -> int:
+    """``async def`` handlers: the asyncio worker on the URL (a sync URL's async twin), its
+    tasks as many as ``--threads``."""
+    threads = options.pop("worker_threads")
+    done = run_async_worker(
+        async_url(_url(args)),
+        handler,
+        burst=args.burst,
+        report=report_to_fd(args.report_fd) if args.report_fd is not None else None,
+        concurrency=threads,
+        engine_options={"pool_size": 2 * threads + 2},
+        **options,
+    )
+    return _ended(done)
+
+
+def _ended(done: QueueWorker | AsyncQueueWorker) -> int:
+    """The exit status of a worker that stopped, after saying how it did."""
     if done.exception is not None:
         _error("worker", f"the worker stopped: {explain(done.exception)}")
         return EXIT_FAILURE
@@ -188,10 +223,17 @@ WORKER_ARGUMENTS = (
         "handler",
         metavar="MODULE:ATTR",
         help="the handler: a function, a JobHandlers table, or MODULE:factory() to call one "
-        "that returns it (imported from the current directory or PYTHONPATH)",
+        "that returns it (imported from the current directory or PYTHONPATH); async def "
+        "handlers run in the asyncio worker",
     ),
     arg("--queue", default=DEFAULT_QUEUE, metavar="Q", help="the queue to work off (default)"),
-    arg("--threads", type=int, default=1, metavar="N", help="worker threads (1)"),
+    arg(
+        "--threads",
+        type=int,
+        default=1,
+        metavar="N",
+        help="worker threads (1); for async def handlers, the asyncio worker's tasks",
+    ),
     arg("--processes", type=int, default=1, metavar="N", help="worker processes (1)"),
     arg("--batch-size", type=int, default=1, metavar="N", help="jobs claimed together (1)"),
     arg(

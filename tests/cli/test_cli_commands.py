@@ -5,7 +5,6 @@ and bad input gets one line on standard error and a non-zero status, never a tra
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import uuid
 from pathlib import Path
@@ -13,14 +12,14 @@ from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
 from cli_support import (
-    CLI,
     archived,
+    assert_finished_only_the_first,
     assert_one_line_error,
     cli,
     events,
     rows,
+    run_until_sigterm,
     url_of,
-    wait_until,
     write_tasks,
 )
 
@@ -131,26 +130,12 @@ def test_a_worker_stops_gracefully_on_sigterm_and_exits_by_the_signal(tmp_path: 
     with engine.begin() as conn:
         first = sp.enqueue(conn, "slow", {"seconds": 0.5})
         second = sp.enqueue(conn, "slow", {"seconds": 0.5})
-    process = subprocess.Popen(
-        [CLI, "worker", "tasks:create_handlers()", "--handler-mode", "advanced"],
-        cwd=tmp_path,
-        env={"PATH": "/usr/bin:/bin", "DATABASE_URL": url},
-        stderr=subprocess.PIPE,
-        text=True,
+    status, stderr = run_until_sigterm(
+        ["worker", "tasks:create_handlers()", "--handler-mode", "advanced"],
+        tmp_path,
+        {"PATH": "/usr/bin:/bin", "DATABASE_URL": url},
     )
-    try:
-        wait_until(lambda: events(tmp_path), "the first job to start")
-        process.send_signal(signal.SIGTERM)
-        _, stderr = process.communicate(timeout=30)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert process.returncode == -signal.SIGTERM, stderr
-    assert "proletarian[default] stopped: 1 succeeded, 0 retried, 0 failed" in stderr
-    assert [(what, job_id) for what, _, job_id in events(tmp_path)] == [
-        ("start", first),
-        ("end", first),
-    ]
+    assert_finished_only_the_first(status, stderr, tmp_path, first)
     assert [row.job_id for row in rows(engine, statements.JOB)] == [second]
     engine.dispose()
 
