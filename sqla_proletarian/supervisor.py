@@ -45,6 +45,7 @@ from sqla_proletarian.worker import QueueWorker, WorkerOptions, create_queue_wor
 
 __all__ = [
     "EXIT_FORCED",
+    "EXIT_JOBS_FAILED",
     "EXIT_OK",
     "EXIT_UNCLEAN",
     "Supervisor",
@@ -62,6 +63,8 @@ EXIT_OK = 0
 #: Exit status when a worker process did not stop gracefully (it died during the stop),
 #: or, with --burst, ended on an error.
 EXIT_UNCLEAN = 1
+#: Exit status of a burst whose every job ended, some failed for good (given up on).
+EXIT_JOBS_FAILED = 3
 #: A second SIGTERM/SIGINT stops every process at once: the supervisor exits with
 #: 128 + the signal's number (130 for SIGINT, 143 for SIGTERM).
 EXIT_FORCED = 128
@@ -195,11 +198,11 @@ class Supervisor:
     has drained the queue; ``run()`` returns the exit status.
 
     The first process starts alone: if it exits before it has started its worker (a bad
-    handler, an unreachable database), the supervisor exits with its status at once. A
-    process that dies unexpectedly afterwards is restarted after a pause that doubles from
-    RESTART_BACKOFF_MIN up to RESTART_BACKOFF_MAX (logged as ``worker-process-exited``);
-    with ``burst``, only one killed by a signal (one that exits on an error is not, so the
-    burst ends, with EXIT_UNCLEAN).
+    handler, an unreachable database), the supervisor exits with its status at once, with
+    ``burst`` too. A process that dies unexpectedly afterwards is restarted after a pause
+    that doubles from RESTART_BACKOFF_MIN up to RESTART_BACKOFF_MAX (logged as
+    ``worker-process-exited``); with ``burst``, only one killed by a signal (one that exits
+    on an error is not, so the burst ends, with EXIT_UNCLEAN).
     The summary counts what every process reported when it stopped; jobs finished by a
     process that was killed are not in it (they are in the archive).
     """
@@ -243,7 +246,9 @@ class Supervisor:
         print(self.summary_text(), file=sys.stderr, flush=True)
         if self._forced is not None:
             return EXIT_FORCED + self._forced
-        return EXIT_UNCLEAN if self._unclean else EXIT_OK
+        if self._unclean:
+            return EXIT_UNCLEAN
+        return EXIT_JOBS_FAILED if self.burst and self._totals["failed"] else EXIT_OK
 
     def summary_text(self) -> str:
         counts = self._totals
@@ -322,7 +327,11 @@ class Supervisor:
             if process.summary is None:
                 self._unclean += 1
             return None
-        if self.burst and code == 0 and process.summary is not None:
+        if not self._ever_started:
+            # The first process could not start (a bad handler, the database away or its
+            # tables missing): the others would fail alike, and they have not been started.
+            return code if code > 0 else EXIT_UNCLEAN
+        if self.burst and code in (EXIT_OK, EXIT_JOBS_FAILED) and process.summary is not None:
             slot.done = True
             return None
         if self.burst and code > 0:
@@ -331,8 +340,6 @@ class Supervisor:
             slot.done = True
             self._unclean += 1
             return None
-        if not self._ever_started:
-            return code if code > 0 else EXIT_UNCLEAN
         ran = time.monotonic() - process.started_at
         slot.failures = 1 if ran >= HEALTHY_RUN else slot.failures + 1
         pause = min(RESTART_BACKOFF_MAX, RESTART_BACKOFF_MIN * 2 ** (slot.failures - 1))

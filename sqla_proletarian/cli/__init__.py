@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from sqla_proletarian import __version__
 from sqla_proletarian.cli.common import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
@@ -30,7 +31,7 @@ from sqla_proletarian.cli.common import (
 )
 from sqla_proletarian.cli.control import CANCEL, ENQUEUE, PAUSE, RESUME
 from sqla_proletarian.cli.dashboard import DASHBOARD
-from sqla_proletarian.cli.inspection import FAILED, PRUNE, RETRY_FAILED, STATUS
+from sqla_proletarian.cli.inspection import FAILED, JOBS, PRUNE, RETRY_FAILED, STATUS
 from sqla_proletarian.cli.schema import INSTALL
 from sqla_proletarian.cli.worker import WORKER, load_handler, load_periodic_jobs
 from sqla_proletarian.errors import ConfigurationError, InvalidJobError
@@ -50,6 +51,7 @@ COMMANDS: tuple[Command, ...] = (
     WORKER,
     ENQUEUE,
     STATUS,
+    JOBS,
     FAILED,
     RETRY_FAILED,
     PAUSE,
@@ -97,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_common_arguments(parser, None)
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in COMMANDS:
         sub = subparsers.add_parser(

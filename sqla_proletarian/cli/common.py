@@ -22,6 +22,7 @@ from sqlalchemy.engine import URL, make_url
 from sqla_proletarian import statements as sql
 from sqla_proletarian.asyncapp import sync_url
 from sqla_proletarian.errors import ConfigurationError, ProletarianError, driver_error
+from sqla_proletarian.inspection import JOB_STATES, list_jobs, queue_status
 
 PROG = "sqla-proletarian"
 #: Exit status for bad command-line input (argparse's own).
@@ -104,7 +105,7 @@ def _engine(url: URL, **options: Any) -> sa.Engine:
     except ImportError as exc:
         raise ProletarianError(
             f"the database driver of {url.drivername} is not installed ({_one_line(exc)}): "
-            "install it, e.g. pip install 'sqla-proletarian[postgresql]'"
+            f"install it, or the one the package's extra brings: {_driver_advice(url)}"
         ) from None
     try:
         with engine.connect():
@@ -117,6 +118,13 @@ def _engine(url: URL, **options: Any) -> sa.Engine:
             "running and lets you in"
         ) from None
     return engine
+
+
+def _driver_advice(url: URL) -> str:
+    """How to install a driver for ``url``'s server, and the URL that names it."""
+    if url.get_backend_name() in ("mysql", "mariadb"):
+        return "pip install 'sqla-proletarian[mysql]' (PyMySQL), and a mysql+pymysql:// URL"
+    return "pip install 'sqla-proletarian[postgresql]' (psycopg), and a postgresql+psycopg:// URL"
 
 
 @contextmanager
@@ -135,6 +143,24 @@ def _check_tables(engine: sa.Engine) -> None:
     with engine.connect() as conn:
         for statement in sql.probe_tables():
             conn.execute(*statement)
+
+
+def warn_if_unknown_queue(engine: sa.Engine, command: str, queue: str | None) -> None:
+    """Warn on standard error if ``queue`` has never held a job (no job, archived job or
+    pause of it): most likely a misspelling, which would otherwise pass in silence."""
+    if queue is None:
+        return
+    for state in JOB_STATES:
+        if list_jobs(engine, state, queue=queue, limit=1).jobs:
+            return
+    if any(status.queue == queue for status in queue_status(engine)):
+        return  # paused
+    print(
+        f"{PROG} {command}: warning: queue {queue!r} has never held a job (no job, archived "
+        f"job or pause of it): check its spelling; `{PROG} status` lists the queues",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def explain(exc: BaseException) -> str:
@@ -168,13 +194,16 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(text.split())
 
 
-def _uuids(values: Sequence[str]) -> list[uuid.UUID]:
+def _uuids(values: Sequence[str], listed_by: str) -> list[uuid.UUID]:
+    """The job ids given, each a UUID; ``listed_by`` is the command that shows such ids."""
     ids = []
     for value in values:
         try:
             ids.append(uuid.UUID(value))
         except ValueError:
-            raise UsageError(f"{value!r} is not a job id: give the UUIDs `failed` shows") from None
+            raise UsageError(
+                f"{value!r} is not a job id: give the UUIDs `{PROG} {listed_by}` shows"
+            ) from None
     return ids
 
 

@@ -15,10 +15,11 @@ from sqla_proletarian.cli.common import (
     _uuids,
     arg,
     parse_duration,
+    warn_if_unknown_queue,
 )
 from sqla_proletarian.control import cancel_job, pause_queue, resume_queue
 from sqla_proletarian.enqueue import enqueue
-from sqla_proletarian.inspection import get_job
+from sqla_proletarian.inspection import JobDetail, get_job
 from sqla_proletarian.models import DEFAULT_QUEUE
 from sqla_proletarian.supervisor import EXIT_OK
 
@@ -41,28 +42,32 @@ def enqueue_job(args: argparse.Namespace) -> int:
 
 
 def pause(args: argparse.Namespace) -> int:
-    with _database(args) as engine, engine.begin() as conn:
-        pause_queue(conn, args.queue)
+    with _database(args) as engine:
+        warn_if_unknown_queue(engine, "pause", args.queue)
+        with engine.begin() as conn:
+            pause_queue(conn, args.queue)
     print(f"queue {args.queue!r} paused: its workers stop claiming within a polling interval")
     return EXIT_OK
 
 
 def resume(args: argparse.Namespace) -> int:
-    with _database(args) as engine, engine.begin() as conn:
-        resume_queue(conn, args.queue)
+    with _database(args) as engine:
+        warn_if_unknown_queue(engine, "resume", args.queue)
+        with engine.begin() as conn:
+            resume_queue(conn, args.queue)
     print(f"queue {args.queue!r} resumed")
     return EXIT_OK
 
 
 def cancel(args: argparse.Namespace) -> int:
-    (job_id,) = _uuids([args.job_id])
+    (job_id,) = _uuids([args.job_id], "jobs")
     with _database(args) as engine, engine.begin() as conn:
         cancelled = cancel_job(conn, job_id)
         # A job under a live lease stays in the queue until its worker stops it.
-        still = get_job(conn, job_id) if cancelled else None
-        requested = still is not None and still.state == "running"
+        still = get_job(conn, job_id)
+        requested = cancelled and still is not None and still.state == "running"
     if not cancelled:
-        _error("cancel", f"job {job_id} was not cancelled: it is not queued, or it is running")
+        _error("cancel", f"job {job_id} was not cancelled: {_why_not_cancelled(still)}")
         return EXIT_FAILURE
     if requested:
         print(
@@ -72,6 +77,15 @@ def cancel(args: argparse.Namespace) -> int:
     else:
         print(f"job {job_id} cancelled (archived as cancelled)")
     return EXIT_OK
+
+
+def _why_not_cancelled(job: JobDetail | None) -> str:
+    """Why ``cancel_job`` left a job alone, from what ``get_job`` finds of it."""
+    if job is None:
+        return f"no job has this id; `{PROG} jobs` lists the queued jobs and their ids"
+    if job.finished_at is not None:
+        return f"it has ended already ({job.state})"
+    return "it is running right now in transaction mode; cancel it once it is queued again"
 
 
 ENQUEUE_ARGUMENTS = (
@@ -125,6 +139,6 @@ CANCEL = Command(
     f"{PROG} cancel 0b3f4c1e-8a52-4d3e-9a57-2f1f6c1d2e3a",
     (arg("job_id", metavar="JOB_ID"),),
     cancel,
-    "exit status: 0 cancelled or cancel requested; 1 not cancelled (not queued, or "
-    "running right now in transaction mode)",
+    "exit status: 0 cancelled or cancel requested; 1 not cancelled (no job has this id, it "
+    "has ended, or it is running right now in transaction mode)",
 )

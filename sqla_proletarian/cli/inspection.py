@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import uuid
 from dataclasses import asdict
+from datetime import datetime
+from typing import Any
 
 from sqla_proletarian.cli.common import (
     PROG,
@@ -18,8 +21,18 @@ from sqla_proletarian.cli.common import (
     _uuids,
     arg,
     parse_duration,
+    warn_if_unknown_queue,
 )
-from sqla_proletarian.inspection import DEFAULT_FAILED_LIMIT, failed_jobs, queue_status
+from sqla_proletarian.errors import ConfigurationError
+from sqla_proletarian.inspection import (
+    DEFAULT_FAILED_LIMIT,
+    DEFAULT_PAGE_SIZE,
+    JOB_STATES,
+    MAX_PAGE_SIZE,
+    failed_jobs,
+    list_jobs,
+    queue_status,
+)
 from sqla_proletarian.maintenance import prune_archive, retry_failed_report
 from sqla_proletarian.supervisor import EXIT_OK
 
@@ -63,8 +76,60 @@ def status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def jobs(args: argparse.Namespace) -> int:
+    states = (args.state,) if args.state is not None else QUEUED_STATES
+    with _database(args) as engine:
+        warn_if_unknown_queue(engine, "jobs", args.queue)
+        try:
+            found = [
+                job
+                for state in states
+                for job in list_jobs(
+                    engine, state, queue=args.queue, job_type=args.job_type, limit=args.limit
+                ).jobs
+            ][: args.limit]
+        except ConfigurationError as exc:
+            raise UsageError(str(exc)) from None
+    if args.json:
+        print(json.dumps([_jsonable(asdict(job)) for job in found]))
+        return EXIT_OK
+    if not found:
+        print(f"no {args.state or 'queued'} jobs")
+        return EXIT_OK
+    header = ("JOB ID", "QUEUE", "JOB TYPE", "STATE", "ATTEMPTS", "DUE OR FINISHED (UTC)")
+    cells = [
+        (
+            str(job.job_id),
+            job.queue,
+            job.job_type,
+            job.state,
+            str(job.attempts),
+            (job.finished_at or job.process_at).strftime("%Y-%m-%d %H:%M:%S"),
+        )
+        for job in found
+    ]
+    print("\n".join(_table(header, cells)))
+    return EXIT_OK
+
+
+#: What ``jobs`` lists without ``--state``: the jobs in the queue, in these states' order.
+QUEUED_STATES = ("running", "ready", "scheduled")
+
+
+def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
+    """A job's fields as JSON takes them: its id as text, its times in ISO 8601."""
+    return {name: _json_value(value) for name, value in row.items()}
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    return _iso(value) if isinstance(value, datetime) else value
+
+
 def failed(args: argparse.Namespace) -> int:
     with _database(args) as engine:
+        warn_if_unknown_queue(engine, "failed", args.queue)
         jobs = failed_jobs(engine, queue=args.queue, job_type=args.job_type, limit=args.limit)
     if args.json:
         rows = [
@@ -106,8 +171,9 @@ _TIMES = ("enqueued_at", "process_at", "finished_at")
 def retry(args: argparse.Namespace) -> int:
     if bool(args.job_ids) == bool(args.all):
         raise UsageError("give the JOB_IDs to put back, or --all for every failure (not both)")
-    job_ids = None if args.all else _uuids(args.job_ids)
+    job_ids = None if args.all else _uuids(args.job_ids, "failed")
     with _database(args) as engine:
+        warn_if_unknown_queue(engine, "retry-failed", args.queue)
         report = retry_failed_report(engine, job_ids, queue=args.queue, job_type=args.job_type)
     count = report.put_back
     print(f"{count} failed job{'s' if count != 1 else ''} put back in the queue")
@@ -132,6 +198,26 @@ FAILED_ARGUMENTS = (
     ),
     arg("--json", action="store_true", help='one object: {"failed": [...]}'),
 )
+JOBS_ARGUMENTS = (
+    arg("--queue", help="only this queue"),
+    arg(
+        "--state",
+        choices=JOB_STATES,
+        help="only jobs in this state (default: the queued ones: running, ready, scheduled)",
+    ),
+    arg("--job-type", help="only this job type"),
+    arg(
+        "--limit",
+        type=int,
+        default=DEFAULT_PAGE_SIZE,
+        help=f"at most ({DEFAULT_PAGE_SIZE}, up to {MAX_PAGE_SIZE})",
+    ),
+    arg(
+        "--json",
+        action="store_true",
+        help="a JSON list of jobs: job_id, queue, job_type, state, attempts, enqueued_at, ...",
+    ),
+)
 RETRY_ARGUMENTS = (
     arg("job_ids", metavar="JOB_ID", nargs="*", help="archived failures"),
     arg("--all", action="store_true", help="every archived failure"),
@@ -150,6 +236,15 @@ STATUS = Command(
     f"{PROG} status --json",
     (arg("--json", action="store_true", help='one object: {"queues": [...]}'),),
     status,
+)
+
+
+JOBS = Command(
+    "jobs",
+    "the jobs of a queue or the archive in one state, or the queued ones, with their ids",
+    f"{PROG} jobs --queue billing --state ready --limit 20",
+    JOBS_ARGUMENTS,
+    jobs,
 )
 
 

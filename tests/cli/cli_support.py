@@ -62,6 +62,10 @@ def create_handlers():
 """
 
 
+#: The package under test, for processes started with an environment of their own.
+PACKAGE_ENV = {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}
+
+
 def url_of(database: Database) -> str:
     return database.url.render_as_string(hide_password=False)
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
 from cli_support import (
+    PACKAGE_ENV,
     archived,
     assert_finished_only_the_first,
     assert_one_line_error,
@@ -60,7 +61,7 @@ def test_enqueue_status_worker_failed_retry_failed_and_prune_work_a_queue_end_to
         *("--threads", "2", "--url", url),
         cwd=tmp_path,
     )
-    assert worked.returncode == 0, worked.stderr
+    assert worked.returncode == 3, worked.stderr  # every job ended, one failed for good
     assert "proletarian[default] stopped: 1 succeeded, 0 retried, 1 failed" in worked.stderr
     assert [(what, job_id) for what, _, job_id in events(tmp_path)] == [("end", ok)]
 
@@ -133,7 +134,7 @@ def test_a_worker_stops_gracefully_on_sigterm_and_exits_by_the_signal(tmp_path: 
     status, stderr = run_until_sigterm(
         ["worker", "tasks:create_handlers()", "--handler-mode", "advanced"],
         tmp_path,
-        {"PATH": "/usr/bin:/bin", "DATABASE_URL": url},
+        {"PATH": "/usr/bin:/bin", "DATABASE_URL": url, **PACKAGE_ENV},
     )
     assert_finished_only_the_first(status, stderr, tmp_path, first)
     assert [row.job_id for row in rows(engine, statements.JOB)] == [second]

@@ -4,7 +4,6 @@ still run and archived once; on every backend."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -15,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 import sqlalchemy as sa
-from cli_support import CLI, archived, events, rows, url_of, wait_until, write_tasks
+from cli_support import CLI, PACKAGE_ENV, archived, events, rows, url_of, wait_until, write_tasks
 
 import sqla_proletarian as sp
 from sqla_proletarian import statements
@@ -26,10 +25,6 @@ if TYPE_CHECKING:
 SUMMARY = re.compile(
     r"sqla-proletarian: 2 worker processes stopped: (\d+) succeeded, 0 retried, 0 failed"
 )
-
-
-#: The package under test for the processes too (their environment is otherwise minimal).
-_PYTHONPATH = {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}
 
 
 @pytest.fixture
@@ -59,7 +54,7 @@ def supervise(
                 *args,
             ],
             cwd=directory,
-            env={"PATH": "/usr/bin:/bin", "DATABASE_URL": url_of(database), **_PYTHONPATH},
+            env={"PATH": "/usr/bin:/bin", "DATABASE_URL": url_of(database), **PACKAGE_ENV},
             stdout=subprocess.DEVNULL,
             stderr=log,
             text=True,

@@ -47,7 +47,9 @@ def test_a_sync_url_has_an_async_twin_and_is_its_own_sync_one(text: str, drivern
 
 
 def test_a_driver_with_no_known_twin_is_refused_with_the_ones_that_have_one() -> None:
-    with pytest.raises(sp.ConfigurationError, match=r"pg8000 has no asyncio twin.*postgresql\+psycopg,"):
+    with pytest.raises(
+        sp.ConfigurationError, match=r"pg8000 has no asyncio twin.*postgresql\+psycopg,"
+    ):
         async_url(make_url("postgresql+pg8000://app@db/jobs"))
 
 
