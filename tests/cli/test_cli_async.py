@@ -29,6 +29,7 @@ from cli_support import (
 
 import sqla_proletarian as sp
 from sqla_proletarian import statements
+from sqla_proletarian.supervisor import EXIT_JOBS_FAILED
 
 if TYPE_CHECKING:
     from conftest import Database
@@ -104,9 +105,9 @@ def async_url(database: Database, drivername: str | None = None) -> str:
     return database.url.set(drivername=drivername).render_as_string(hide_password=False)
 
 
-def assert_clean(done: subprocess.CompletedProcess[str]) -> None:
-    """The command worked, and said nothing of coroutines or greenlets."""
-    assert done.returncode == 0, (done.stdout, done.stderr)
+def assert_clean(done: subprocess.CompletedProcess[str], status: int = 0) -> None:
+    """The command ended with ``status``, and said nothing of coroutines or greenlets."""
+    assert done.returncode == status, (done.stdout, done.stderr)
     for words in ("RuntimeWarning", "greenlet", "never awaited", "Traceback"):
         assert words not in done.stderr, done.stderr
 
@@ -150,7 +151,7 @@ def test_async_handlers_run_in_the_asyncio_worker_on_an_async_url(
         cwd=tmp_path,
     )
 
-    assert_clean(worked)
+    assert_clean(worked, EXIT_JOBS_FAILED)  # a burst with a failure
     assert "proletarian[default] stopped: 1 succeeded, 0 retried, 1 failed" in worked.stderr
     assert [(what, job_id) for what, _, job_id in events(tmp_path)] == [("end", ok)]
     error = archived(engine)[fails].error
