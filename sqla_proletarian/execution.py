@@ -668,7 +668,13 @@ class JobRunner(RunnerBase):
                     # The job's transaction is gone with its connection: nothing can be
                     # recorded; the job runs again.
                     raise
-                log_event(logging.WARNING, "handle-job-exception", **fields, error=repr(exc))
+                log_event(
+                    logging.WARNING,
+                    "handle-job-exception",
+                    **fields,
+                    error=repr(exc),
+                    traceback=describe(exc),
+                )
                 telemetry.job_error(exc)
                 return self._after_exception(conn, claim, context or context_of(), exc, runs)
             if claim.past.unclean_ends:

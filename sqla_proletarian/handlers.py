@@ -273,6 +273,10 @@ class JobHandlers:
     def __contains__(self, job_type: object) -> bool:
         return job_type in self._handlers
 
+    def functions(self) -> list[Callable[..., Any]]:
+        """Every registered function, the default's last (if there is one)."""
+        return [*self._handlers.values(), *([self._default] if self._default else [])]
+
     def __call__(self, *args: Any) -> Any:
         if len(args) == 2:
             return self.handler_for(args[0])(*args)

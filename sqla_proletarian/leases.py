@@ -595,7 +595,13 @@ class LeaseRunner(RunnerBase):
                 return None, None
             log_event(logging.DEBUG, "job-finished", **fields)
             return "succeeded", None
-        log_event(logging.WARNING, "handle-job-exception", **fields, error=repr(error))
+        log_event(
+            logging.WARNING,
+            "handle-job-exception",
+            **fields,
+            error=repr(error),
+            traceback=describe(error),
+        )
         telemetry.job_error(error)
         session.abandon()
         return self._failed(run, session, context, error)

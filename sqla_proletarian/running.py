@@ -41,8 +41,10 @@ RetryStrategyFn = Callable[[JobContext, Exception], RetryStrategy | None]
 FailedJobHandler = Callable[[JobContext, Exception], object]
 Failure = tuple[JobContext, Exception]
 
-#: Longest error text kept in the archive.
-MAX_ERROR_TEXT = 4000
+#: Longest error text kept in the archive, in UTF-8 bytes (MariaDB's TEXT holds 65,535).
+MAX_ERROR_BYTES = 16_384
+#: Longest first line of the error text (the summary a list shows), in characters.
+MAX_SUMMARY = 200
 
 #: The stop signal of the handler being called (the asyncio worker cancels a default-mode
 #: handler's task by it, as an advanced one's by ``job.cancel_requested``).
@@ -84,13 +86,42 @@ def attempt_of(job: dict[str, Any]) -> int:
 
 
 def describe(exc: BaseException) -> str:
-    """The archive's error text: the exception type, message and where it was raised."""
-    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-    frames = traceback.extract_tb(exc.__traceback__)
-    if frames:
-        last = frames[-1]
-        text += f"\n  at {last.filename}:{last.lineno} in {last.name}"
-    return text[:MAX_ERROR_TEXT]
+    """The archive's error text: the exception's type and message on the first line (what a
+    list shows), then its formatted traceback with chained causes, cut to MAX_ERROR_BYTES."""
+    summary = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
+    if text != summary:  # it was raised, or has a cause: the traceback follows the summary
+        first = summary.splitlines()[0]
+        if len(first) > MAX_SUMMARY:
+            first = first[:MAX_SUMMARY] + " [...]"
+        text = f"{first}\n{text}"
+    return cut_middle(text, MAX_ERROR_BYTES)
+
+
+def cut_middle(text: str, limit: int) -> str:
+    """``text`` if its UTF-8 form fits in ``limit`` bytes; otherwise its head and its tail
+    (whole lines where they can be) around a line that says how much was cut."""
+    data = text.encode()
+    if len(data) <= limit:
+        return text
+    half = (limit - _MARKER_BYTES) // 2
+    head, tail = data[:half], data[len(data) - half :]
+    # Whole lines, unless the nearest line end would drop more than half of a part.
+    end = head.rfind(b"\n")
+    if end >= half // 2:
+        head = head[: end + 1]
+    start = tail.find(b"\n")
+    if 0 <= start < half // 2:
+        tail = tail[start + 1 :]
+    cut = data[len(head) : len(data) - len(tail)]
+    marker = f"[... {len(cut):,} bytes ({cut.count(10):,} lines) cut here ...]\n"
+    # errors="ignore": a part that starts or ends inside a character drops its bytes.
+    parts = (head.decode(errors="ignore"), tail.decode(errors="ignore"))
+    return parts[0] + ("" if parts[0].endswith("\n") else "\n") + marker + parts[1]
+
+
+#: Room kept for ``cut_middle``'s marker line and a line end added to the head.
+_MARKER_BYTES = 80
 
 
 class RunnerBase:
@@ -309,8 +340,10 @@ def _check_result(result: object) -> None:
         if inspect.iscoroutine(result):
             result.close()
         raise ProletarianError(
-            "the handler returned an awaitable, so its work never ran: handlers must be "
-            "plain functions (wrap async code with asyncio.run)"
+            "the handler returned an awaitable, so its work never ran: this worker runs "
+            "plain functions; run async handlers in the asyncio worker "
+            "(create_async_queue_worker, which `sqla-proletarian worker` picks for an "
+            "`async def` handler), or wrap async code with asyncio.run"
         )
     if inspect.isgenerator(result):
         result.close()
