@@ -21,10 +21,10 @@ def job_inserts(engine: sa.Engine) -> list[int]:
     @sa.event.listens_for(engine, "before_cursor_execute")
     def count(conn: Any, cursor: Any, statement: str, params: Any, context: Any, many: bool):
         if statement.lstrip().upper().startswith("INSERT INTO PROLETARIAN_JOB "):
-            if many:
-                seen.append(len(params))
-            else:  # one row, or (psycopg2's insertmanyvalues) rows as job_id__0, job_id__1...
+            if isinstance(params, dict):  # one row, or rows as job_id__0, job_id__1...
                 seen.append(sum(1 for key in params if key.split("__")[0] == "job_id") or 1)
+            else:
+                seen.append(len(params) if many else 1)
 
     return seen
 
