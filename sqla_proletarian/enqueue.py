@@ -131,8 +131,10 @@ def enqueue_many(
     triples, to the caller's transaction; their ids in order. Never commits.
 
     Every job is validated before anything is written: a bad one raises ``InvalidJobError``
-    naming its index, and nothing is written. The rows go in one statement per 1,000 jobs,
-    through the Session's connection in its transaction, or the Connection's. A job with a
+    naming its index, and nothing is written. The rows go in through the driver's fastest
+    path (psycopg 3: binary COPY; psycopg2: unnest arrays; PyMySQL and SQLite: executemany;
+    other drivers: one statement per 1,000 jobs), through the Session's connection in its
+    transaction, or the Connection's. A job with a
     unique key goes in with a statement of its own, as ``enqueue()`` would add it: where a
     job of the queue holds its key (one queued earlier, or one before it in ``jobs``), its id
     is that job's. Further keyword options, for every job: ``serializer``,
