@@ -113,7 +113,8 @@ def enqueue(
     raise _not_a_transaction(session_or_connection, "enqueue")
 
 
-#: Jobs per INSERT statement of enqueue_many.
+#: Jobs per INSERT statement of enqueue_many, where it sends more than one (psycopg2's
+#: unnest arrays; drivers without a driver-level path).
 ENQUEUE_MANY_CHUNK = 1000
 
 
@@ -164,7 +165,7 @@ def enqueue_many(
 
 
 def _insert_many(connection: Connection, rows: list[dict[str, Any]]) -> None:
-    """Write jobs without unique keys through the driver's fastest path (``BulkInsert``),
+    """Write jobs without unique keys through the driver's fastest path (``DriverInsert``),
     or, for drivers without one, the Core statement in chunks of ``ENQUEUE_MANY_CHUNK``."""
     bulk = driver_insert(connection.dialect, many=True)
     if bulk is None:
