@@ -32,8 +32,8 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 try:
+    from opentelemetry import baggage, metrics, propagate, trace
     from opentelemetry import context as otel_context
-    from opentelemetry import metrics, propagate, trace
 except ImportError:  # the otel extra is not installed: every function below returns at once
     ENABLED = False
 else:
@@ -111,8 +111,9 @@ def enqueue_context(
 ) -> str | None:
     """Record the ``send <queue>`` span of one job (``job_id``) or of a batch of ``batch``
     jobs, and return its context as the JSON the job rows keep; None without OpenTelemetry
-    or when there is nothing to propagate (no SDK configured)."""
-    if not ENABLED:
+    or when there is nothing to propagate (no SDK configured and no context from outside
+    current: then no span is started at all)."""
+    if not ENABLED or not (_sdk_configured() or _context_from_outside()):
         return None
     attributes: dict[str, Any] = {
         "messaging.system": SYSTEM,
@@ -247,6 +248,12 @@ def run_span(job: Mapping[str, Any], claimed_at: datetime | None) -> Run:
     if not ENABLED or (job.get("trace_context") is None and not _sdk_configured()):
         return _NO_RUN
     return _TracedRun(job, claimed_at)
+
+
+def _context_from_outside() -> bool:
+    """Whether a span context or baggage is current (one that reached the process from
+    outside, which the no-op tracer passes on)."""
+    return trace.get_current_span().get_span_context().is_valid or bool(baggage.get_all())
 
 
 def _sdk_configured() -> bool:
