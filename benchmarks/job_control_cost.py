@@ -20,9 +20,12 @@ section of results.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import re
 import shlex
 import signal
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -32,13 +35,18 @@ from typing import Any
 
 import sqlalchemy as sa
 
+import sqla_proletarian as sp
 from benchmarks.batch_drain import machine
 from benchmarks.fill import check_drained, fill, fresh_tables
 from benchmarks.library import THREADS, count_events, noop, run_until, worker
 from benchmarks.report import RESULTS, Results, write_section
 from benchmarks.servers import Server, durable_servers
+from sqla_proletarian import statements as sql
+from sqla_proletarian.dialects import dialect_of
 
 SECTION = "job_control_cost"
+#: The queue the statements alone are timed over.
+STATEMENT_JOBS = 10_000
 #: The paused-queue check as the dialects render it, with what precedes it.
 _PAUSED = re.compile(
     r"(?P<lead> AND |WHERE )NOT \(EXISTS \(SELECT proletarian_paused_queue\.queue \n"
@@ -131,6 +139,55 @@ def drain(engine: sa.Engine, rewriter: Rewriter, jobs: int, batch_size: int, var
     return jobs / elapsed
 
 
+def _median_us(run: Callable[[], None], times: int) -> float:
+    took = []
+    for _ in range(times):
+        began = time.perf_counter()
+        run()
+        took.append(time.perf_counter() - began)
+    return 1e6 * statistics.median(took)
+
+
+def statement_costs(engine: sa.Engine, rewriter: Rewriter, variant: str) -> dict[str, float]:
+    """Microseconds (median of many) of the worker's poll for 50 jobs (in a transaction that
+    is rolled back) and of a delete of 50 queued jobs by id (all in one transaction, rolled
+    back), over a queue of ``STATEMENT_JOBS`` jobs, in one variant."""
+    cut, prepare = VARIANTS[variant]
+    fresh_tables(engine)
+    if prepare is not None:
+        prepare(engine)
+    fill(engine, STATEMENT_JOBS, analyze=True)
+    dialect = dialect_of(engine)
+    now = datetime.now(UTC)
+    job = sp.Job.__table__
+
+    def poll() -> None:
+        with engine.begin() as conn:
+            if dialect.poll_finds_priority:
+                conn.execute(*sql.poll_first(sp.DEFAULT_QUEUE, now, 50)).all()
+            else:
+                orders = conn.execute(
+                    *sql.due_run_orders(sp.DEFAULT_QUEUE, now, dialect.priority_scan)
+                ).all()
+                conn.execute(*sql.poll(sp.DEFAULT_QUEUE, now, 50, run_order=orders[0][0])).all()
+            conn.rollback()
+
+    rewriter.on = cut
+    try:
+        polls = _median_us(poll, 300)
+    finally:
+        rewriter.on = False
+    with engine.connect() as conn:
+        ids = list(conn.execute(sa.select(job.c.job_id)).scalars())  # type: ignore[attr-defined]
+        chunks = iter([ids[i : i + 50] for i in range(0, len(ids), 50)])
+        deletes = _median_us(
+            lambda: conn.execute(sa.delete(job).where(job.c.job_id.in_(next(chunks)))),  # type: ignore[attr-defined]
+            len(ids) // 50,
+        )
+        conn.rollback()
+    return {"poll of 50 jobs": polls, "delete of 50 jobs by id": deletes}
+
+
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=10_000, help="jobs per drain (10,000)")
@@ -142,6 +199,17 @@ def parse() -> argparse.Namespace:
         help="batch sizes (50,100)",
     )
     parser.add_argument("--only", choices=("postgresql", "mariadb"), help="one server")
+    parser.add_argument(
+        "--statements",
+        action="store_true",
+        help="time the poll and a delete of 50 jobs by id alone instead of drains",
+    )
+    parser.add_argument(
+        "--urls",
+        default="",
+        help="comma-separated SQLAlchemy URLs of databases to use instead of the durable"
+        " servers' (for --statements, which commits nothing)",
+    )
     parser.add_argument("--output", type=Path, default=RESULTS, help="the Markdown file")
     parser.add_argument("--keep-servers", action="store_true", help="leave the servers running")
     return parser.parse_args()
@@ -155,7 +223,15 @@ def main() -> None:
     started_at, started = datetime.now(UTC), time.perf_counter()
     results = Results()
     notes: list[str] = []
-    with durable_servers(keep=args.keep_servers) as found:
+    given = [
+        Server(
+            ("PostgreSQL" if url.startswith("postgresql") else "MariaDB") + " (given)",
+            {"bench": url},
+        )
+        for url in args.urls.split(",")
+        if url
+    ]
+    with contextlib.nullcontext(given) if given else durable_servers(args.keep_servers) as found:
         servers: list[Server] = [
             s for s in found if not args.only or s.is_postgresql == (args.only == "postgresql")
         ]
@@ -165,6 +241,25 @@ def main() -> None:
         for round_number in range(1, args.rounds + 1):
             print(f"round {round_number} of {args.rounds}", flush=True)
             for server in servers:
+                if args.statements:
+                    order = list(VARIANTS)[:4]
+                    turn = (round_number - 1) % len(order)
+                    for variant in order[turn:] + order[:turn]:
+                        found = statement_costs(
+                            engines[server.label], rewriters[server.label], variant
+                        )
+                        for name, value in found.items():
+                            section = (
+                                f"{name}, {server.label}, over {STATEMENT_JOBS:,} queued jobs"
+                                " (median of many)"
+                            )
+                            for each in order:  # the rows in one order, whatever the turn
+                                results.row(
+                                    section, each, "us", None if each == order[0] else order[0]
+                                )
+                            results.add(section, variant, value, "us")
+                        print(f"    {server.label}: {variant}: {found}", flush=True)
+                    continue
                 for batch in args.batch_sizes:
                     section = (
                         f"batched drain, {server.label}: {args.jobs:,} queued jobs,"
@@ -192,7 +287,7 @@ def main() -> None:
     minutes = (time.perf_counter() - started) / 60
     lines = [
         f"Command: `{command}`; run {started_at:%Y-%m-%d %H:%M} UTC, {minutes:.1f} min.",
-        f"Machine: {about}.",
+        f"Machine: {about}; load average at the end {os.getloadavg()[0]:.1f}.",
         f"{args.rounds} round(s), interleaved; each cell is the median over the rounds"
         " (min-max); ratio: the variant's median over as shipped's.",
         " ".join(__doc__.split("\n\n")[2].split()),
@@ -201,14 +296,22 @@ def main() -> None:
     if notes:
         print("\n".join(f"- {note}" for note in notes))
     body = [
-        "## What job control costs a batched drain (`python -m benchmarks.job_control_cost`)",
+        (
+            "## What job control costs the poll and a delete, timed alone"
+            " (`python -m benchmarks.job_control_cost --statements`)"
+            if args.statements
+            else "## What job control costs a batched drain"
+            " (`python -m benchmarks.job_control_cost`)"
+        ),
         "",
         *(f"- {line}" for line in lines),
         "",
         results.markdown(),
         *(["", *(f"- {note}" for note in notes)] if notes else []),
     ]
-    write_section(args.output, SECTION, "\n".join(body))
+    write_section(
+        args.output, SECTION + ("_statements" if args.statements else ""), "\n".join(body)
+    )
     print(f"\nwritten to {args.output} ({minutes:.1f} min)")
 
 
