@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import itertools
+import os
 import pstats
 import shlex
 import signal
@@ -301,7 +302,7 @@ def main() -> None:
     minutes = (time.perf_counter() - started) / 60
     lines = [
         f"Command: `{command}`; run {started_at:%Y-%m-%d %H:%M} UTC, {minutes:.1f} min.",
-        f"Machine: {about}.",
+        f"Machine: {about}; load average at the end {os.getloadavg()[0]:.1f}.",
         f"Each setting drains {args.jobs:,} queued no-op jobs twice with one in-process"
         " worker (defaults but the mode, batch_size and worker_threads): plain, for jobs/s,"
         " the wall time and the client's CPU (time.process_time over the drain, the timing"
