@@ -116,9 +116,9 @@ class Results:
     def count(self, section: str, name: str, counts: Counter[str]) -> None:
         """Add one round's counts to a row (kept even when they are all zero)."""
         row = self.rows[(section, name)]
-        row.counts = (row.counts or Counter()) + counts
-        for key in counts:
-            row.counts.setdefault(key, 0)
+        row.counts = row.counts or Counter()
+        for key, n in counts.items():
+            row.counts[key] += n
 
     def problems(self) -> list[str]:
         """The rows whose counts are not all zero, in words."""
