@@ -33,7 +33,7 @@ source "$$SP_TESTDB_DIR/env"; \
 $(1)
 endef
 
-.PHONY: venv lint docs dist publish test test-pg18 test-sqla-oldest faults soak quickstart bench bench-quick bench-batches bench-leases \
+.PHONY: venv lint docs dist publish test test-pg18 test-sqla-oldest faults soak quickstart bench bench-quick bench-batches bench-leases bench-profile \
 	examples.db.install examples.db.uninstall examples.db.recreate clean
 
 venv: $(STAMP)
@@ -157,6 +157,12 @@ bench bench-quick: venv
 # connections long jobs hold, recovery after a SIGKILL; its own section of results.md.
 bench-leases: venv
 	$(VENV)/bin/python -m benchmarks.leases $(LEASES_ARGS)
+
+# Where the worker's client CPU goes per job (cProfile of every worker thread, both modes,
+# batch_size 1 and 50, 1 and 4 threads): its own section of results.md. PROFILE_ARGS passes
+# options (--jobs N, --only NAME,..., --top K).
+bench-profile: venv
+	$(VENV)/bin/python -m benchmarks.profile $(PROFILE_ARGS)
 
 # The batched drain on MariaDB and PostgreSQL, counted (extra handler runs, lost job
 # transactions, run-record cleanup errors, deadlocks): its own section of results.md.
