@@ -49,6 +49,7 @@ from typing import Any, Literal
 
 from sqlalchemy import Connection, Engine
 
+from sqla_proletarian import direct
 from sqla_proletarian import statements as sql
 from sqla_proletarian.dialects import Dialect, OwnerLock
 from sqla_proletarian.logs import log_event
@@ -367,7 +368,7 @@ class ClaimRecords:
             }
             for job_id, run_id in self.run_ids.items()
         ]
-        conn.execute(*sql.start_runs(rows, unnest=self.dialect.bulk_insert_unnest))
+        direct.execute(conn, *sql.start_runs(rows, unnest=self.dialect.bulk_insert_unnest))
 
     def _end_runs(self) -> sql.Statement:
         """The delete of the claim's records, by id."""

@@ -175,28 +175,24 @@ class RunnerBase:
         )
 
     def _call_handler(self, context: JobContext) -> None:
+        if self.settings.handler_mode != "advanced":
+            self._call_plain(context.job_type, context.payload, context.cancel_requested)
+            return
         running = RUNNING_SIGNAL.set(context.cancel_requested)
         try:
-            if self.settings.handler_mode == "advanced":
-                result = self.settings.handler(context)
-            else:
-                result = self.settings.handler(context.job_type, context.payload)
+            result = self.settings.handler(context)
         finally:
             RUNNING_SIGNAL.reset(running)
-        if inspect.isawaitable(result):
-            if inspect.iscoroutine(result):
-                result.close()
-            raise ProletarianError(
-                "the handler returned an awaitable, so its work never ran: handlers must be "
-                "plain functions (wrap async code with asyncio.run)"
-            )
-        if inspect.isgenerator(result):
-            result.close()
-        if inspect.isgenerator(result) or inspect.isasyncgen(result):
-            raise ProletarianError(
-                "the handler returned a generator, so its body never ran: handlers must be "
-                "plain functions, not generators"
-            )
+        _check_result(result)
+
+    def _call_plain(self, job_type: str, payload: Any, signal: threading.Event) -> None:
+        """Call a handler of ``(job_type, payload)``."""
+        running = RUNNING_SIGNAL.set(signal)
+        try:
+            result = self.settings.handler(job_type, payload)
+        finally:
+            RUNNING_SIGNAL.reset(running)
+        _check_result(result)
 
     # --- the outcome ----------------------------------------------------------------------
 
@@ -289,3 +285,21 @@ def rollback_quietly(conn: Connection) -> None:
             conn.rollback()
     except Exception as exc:
         log_event(logging.DEBUG, "rollback-error", error=repr(exc))
+
+
+def _check_result(result: object) -> None:
+    """A handler that returned an awaitable or a generator never ran its body: say so."""
+    if inspect.isawaitable(result):
+        if inspect.iscoroutine(result):
+            result.close()
+        raise ProletarianError(
+            "the handler returned an awaitable, so its work never ran: handlers must be "
+            "plain functions (wrap async code with asyncio.run)"
+        )
+    if inspect.isgenerator(result):
+        result.close()
+    if inspect.isgenerator(result) or inspect.isasyncgen(result):
+        raise ProletarianError(
+            "the handler returned a generator, so its body never ran: handlers must be "
+            "plain functions, not generators"
+        )

@@ -1,0 +1,183 @@
+"""Claiming: the polls that lock due jobs in claim order, and the locks taken again after
+a run record commits."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from functools import cache
+from typing import Any
+
+from sqlalchemy import (
+    Select,
+    bindparam,
+    func,
+    select,
+)
+
+from sqla_proletarian.dialects import PriorityScan
+from sqla_proletarian.statements.base import JOB, JOB_COLUMNS, PAUSED, RUN, Statement
+
+#: How many run records a job has; read with the claim, locking nothing in the ledger.
+_RUNS = (
+    select(func.count())
+    .where(RUN.c.job_id == JOB.c.job_id)
+    .correlate(JOB)
+    .scalar_subquery()
+    .label("runs")
+)
+
+
+#: Whether the queue is paused: one primary-key lookup, evaluated once per poll.
+_PAUSED = select(PAUSED.c.queue).where(PAUSED.c.queue == bindparam("queue")).exists()
+
+
+@cache
+def _poll(limit: int, with_runs: bool, excluding: bool = False, first: bool = False) -> Select[Any]:
+    columns = (*JOB_COLUMNS, _RUNS) if with_runs else JOB_COLUMNS
+    statement = (
+        select(*columns)
+        .where(
+            JOB.c.queue == bindparam("queue"),
+            JOB.c.run_order == (_FIRST_DUE_RUN_ORDER if first else bindparam("run_order")),
+            JOB.c.process_at <= bindparam("now"),
+            ~_PAUSED,
+        )
+        .order_by(JOB.c.run_order, JOB.c.process_at, JOB.c.seq)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    )
+    if excluding:
+        statement = statement.where(JOB.c.job_id.not_in(bindparam("held", expanding=True)))
+    return statement
+
+
+def poll(
+    queue: str,
+    now: datetime,
+    limit: int = 1,
+    *,
+    run_order: int,
+    with_runs: bool = False,
+    excluding: list[uuid.UUID] | None = None,
+) -> Statement:
+    """Claim up to ``limit`` due jobs of one priority (``run_order``) of a queue unless it
+    is paused, oldest first, skipping locked ones: one range of the poll index, due jobs only.
+
+    ``with_runs`` adds ``runs``: the job's run records, for counting unclean ends.
+    ``excluding`` leaves out jobs whose earlier run may still be going (``ledger``).
+    """
+    params: dict[str, Any] = {"queue": queue, "now": now, "run_order": run_order}
+    if excluding:
+        params["held"] = excluding
+    return _poll(limit, with_runs, bool(excluding)), params
+
+
+def poll_first(
+    queue: str,
+    now: datetime,
+    limit: int = 1,
+    *,
+    with_runs: bool = False,
+    excluding: list[uuid.UUID] | None = None,
+) -> Statement:
+    """As ``poll``, of the queue's highest priority that has a due job, found inside the
+    statement (probes of the poll index, evaluated once): a busy claim in one round trip."""
+    params: dict[str, Any] = {"queue": queue, "now": now}
+    if excluding:
+        params["held"] = excluding
+    return _poll(limit, with_runs, bool(excluding), first=True), params
+
+
+def _first_run_order(after: Any = None) -> Any:
+    """The queue's smallest ``run_order`` (above ``after``): the first entry of a range of
+    the poll index."""
+    conditions = [JOB.c.queue == bindparam("queue")]
+    if after is not None:
+        conditions.append(JOB.c.run_order > after)
+    first = select(JOB.c.run_order).where(*conditions).order_by(JOB.c.run_order).limit(1)
+    return first.scalar_subquery()
+
+
+#: The queue's priorities, one index probe each (a loose index scan), none when it is paused.
+_RUN_ORDERS = (
+    select(_first_run_order().label("run_order")).where(~_PAUSED).cte("run_orders", recursive=True)
+)
+_PREVIOUS = _RUN_ORDERS.alias("previous")
+_RUN_ORDERS = _RUN_ORDERS.union_all(
+    select(_first_run_order(_PREVIOUS.c.run_order)).where(_PREVIOUS.c.run_order.is_not(None))
+)
+
+
+def _earliest(run_order: Any) -> Any:
+    """A priority's earliest ``process_at``: the first index entry of its range."""
+    earliest = select(JOB.c.process_at).where(
+        JOB.c.queue == bindparam("queue"), JOB.c.run_order == run_order
+    )
+    return earliest.order_by(JOB.c.process_at).limit(1).scalar_subquery()
+
+
+_EARLIEST = _earliest(_RUN_ORDERS.c.run_order)
+_DUE_AT = bindparam("now", type_=JOB.c.process_at.type)
+
+#: The queue's priorities from the first up to the first that has a due job, and no further:
+#: one hop through the poll index each (as ``_RUN_ORDERS``).
+_UNTIL_DUE = select(_first_run_order().label("run_order")).cte("until_due", recursive=True)
+_BEFORE = _UNTIL_DUE.alias("before")
+_UNTIL_DUE = _UNTIL_DUE.union_all(
+    select(_first_run_order(_BEFORE.c.run_order)).where(
+        _BEFORE.c.run_order.is_not(None), _earliest(_BEFORE.c.run_order) > _DUE_AT
+    )
+)
+#: The queue's highest priority that has a due job (NULL if none): the last hop, if due.
+_FIRST_DUE_RUN_ORDER = (
+    select(_UNTIL_DUE.c.run_order)
+    .where(_UNTIL_DUE.c.run_order.is_not(None), _earliest(_UNTIL_DUE.c.run_order) <= _DUE_AT)
+    .scalar_subquery()
+)
+_DUE_RUN_ORDERS = {
+    "recursive": select(_RUN_ORDERS.c.run_order).where(
+        _RUN_ORDERS.c.run_order.is_not(None), _EARLIEST <= _DUE_AT
+    ),
+    # A loose index scan: per priority, one probe for its first due entry (MIN of the next
+    # index column, bounded by the range); grouped by the queue too, as the index starts.
+    "group_by": select(JOB.c.run_order, func.min(JOB.c.process_at))
+    .where(JOB.c.queue == bindparam("queue"), JOB.c.process_at <= _DUE_AT, ~_PAUSED)
+    .group_by(JOB.c.queue, JOB.c.run_order),
+}
+
+
+def due_run_orders(queue: str, now: datetime, scan: PriorityScan) -> Statement:
+    """The priorities (as ``run_order``, the first column) of a queue that have a job due at
+    ``now``, running or not, unless the queue is paused: a probe or two of the poll index per
+    priority, however many jobs are scheduled for later; a plain read, locking nothing."""
+    return _DUE_RUN_ORDERS[scan], {"queue": queue, "now": now}
+
+
+#: Inline: ``seq`` comes from the server's default, with no ``nextval()`` round trip first
+#: and nothing read back (an enqueue-only role needs no SELECT).
+_RELOCK = (
+    select(*JOB_COLUMNS)
+    .where(JOB.c.job_id == bindparam("job_id"))
+    .with_for_update(skip_locked=True)
+)
+
+
+def relock(job_id: uuid.UUID) -> Statement:
+    """Claim one known job again by id, skipping it if another worker holds it (any server
+    after an outcome could not be written)."""
+    return _RELOCK, {"job_id": job_id}
+
+
+_RECLAIM = _RELOCK.where(
+    JOB.c.queue == bindparam("queue"), JOB.c.process_at <= bindparam("now"), ~_PAUSED
+)
+
+
+def reclaim(job_id: uuid.UUID, queue: str, now: datetime) -> Statement:
+    """Claim one known job again by id on the poll's terms: due at ``now``, its queue not
+    paused, not held by another worker (SQLite, after the run was recorded)."""
+    return _RECLAIM, {"job_id": job_id, "queue": queue, "now": now}
+
+
+#: The archive columns an outcome replaces when the job id is archived already.

@@ -1,0 +1,210 @@
+"""Lease mode: claims that commit a lease, renewals, fenced ends."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from functools import cache
+from typing import Any
+
+from sqlalchemy import (
+    Executable,
+    Uuid,
+    bindparam,
+    delete,
+    func,
+    select,
+    update,
+)
+from sqlalchemy.sql.elements import BindParameter
+
+from sqla_proletarian.dialects import ArchiveUpsert
+from sqla_proletarian.statements.base import (
+    _JOB_BY_ID,
+    ARCHIVE,
+    JOB,
+    JOB_COLUMNS,
+    Statement,
+    _delete_by,
+)
+from sqla_proletarian.statements.finish import _EXPIRED_LEASE, _NO_LEASE, _upserted
+
+_TOKEN = bindparam("token", type_=Uuid())
+_LEASE_IDS: BindParameter[Any] = bindparam("ids", expanding=True)
+_LEASE_TOKENS: BindParameter[Any] = bindparam("tokens", expanding=True, type_=Uuid())
+#: The rows of a worker's leases: its job ids, still carrying one of its tokens.
+_HELD = (JOB.c.job_id.in_(_LEASE_IDS), JOB.c.lease_token.in_(_LEASE_TOKENS))
+
+_LEASE = (
+    update(JOB)
+    .where(JOB.c.job_id.in_(_LEASE_IDS))
+    .ordered_values(
+        # In this order (MySQL assigns left to right): the count reads the old token, due_at
+        # the old process_at.
+        (JOB.c.unclean_ends, JOB.c.unclean_ends + _EXPIRED_LEASE),
+        (JOB.c.due_at, func.coalesce(JOB.c.due_at, JOB.c.process_at)),
+        (JOB.c.attempts, JOB.c.attempts + 1),
+        (JOB.c.lease_token, _TOKEN),
+        (JOB.c.lease_owner, bindparam("owner")),
+        (JOB.c.heartbeat_at, bindparam("now", type_=JOB.c.process_at.type)),
+        (JOB.c.process_at, bindparam("expiry", type_=JOB.c.process_at.type)),
+    )
+)
+
+
+def lease(
+    job_ids: list[uuid.UUID], token: uuid.UUID, owner: str, now: datetime, expiry: datetime
+) -> Statement:
+    """Lease the jobs a claim locked, under one fresh token: count the run (and an expired
+    lease as an unclean end), keep their own due time, and make ``process_at`` the expiry."""
+    return _LEASE, {"ids": job_ids, "token": token, "owner": owner, "now": now, "expiry": expiry}
+
+
+_LOCK_LEASES = select(JOB.c.job_id).where(*_HELD).with_for_update(skip_locked=True)
+_RENEW = (
+    update(JOB)
+    .where(*_HELD)
+    .values(
+        heartbeat_at=bindparam("now", type_=JOB.c.process_at.type),
+        process_at=bindparam("expiry", type_=JOB.c.process_at.type),
+    )
+)
+_STILL_HELD = select(JOB.c.job_id, JOB.c.cancel_requested_at).where(*_HELD)
+
+
+def lock_leases(job_ids: list[uuid.UUID], tokens: list[uuid.UUID]) -> Statement:
+    """Lock the worker's leases it can renew now, skipping rows another transaction holds
+    (a cancel request being written, a claim of an expired lease): a heartbeat never waits."""
+    return _LOCK_LEASES, {"ids": job_ids, "tokens": tokens}
+
+
+def renew_leases(
+    job_ids: list[uuid.UUID], tokens: list[uuid.UUID], now: datetime, expiry: datetime
+) -> Statement:
+    """Move the expiry of leases the heartbeat locked on (a lease another run took is left)."""
+    return _RENEW, {"ids": job_ids, "tokens": tokens, "now": now, "expiry": expiry}
+
+
+def leases_held(job_ids: list[uuid.UUID], tokens: list[uuid.UUID]) -> Statement:
+    """Which of the worker's leases it still holds, and whether a cancel was requested."""
+    return _STILL_HELD, {"ids": job_ids, "tokens": tokens}
+
+
+_END_LEASE = delete(JOB).where(JOB.c.job_id == bindparam("job_id"), JOB.c.lease_token == _TOKEN)
+
+
+@cache
+def _archive_lease(upsert: ArchiveUpsert) -> Executable:
+    done = (
+        delete(JOB)
+        .where(JOB.c.job_id == bindparam("job_id"), JOB.c.lease_token == _TOKEN)
+        .returning(*JOB_COLUMNS)
+        .cte("done")
+    )
+    rows = select(
+        done.c.job_id,
+        done.c.queue,
+        done.c.job_type,
+        done.c.payload,
+        bindparam("attempts", type_=ARCHIVE.c.attempts.type),
+        done.c.enqueued_at,
+        func.coalesce(done.c.due_at, done.c.process_at),
+        done.c.run_order,
+        done.c.unique_key,
+        bindparam("status", type_=ARCHIVE.c.status.type),
+        bindparam("now", type_=ARCHIVE.c.finished_at.type),
+        bindparam("error", type_=ARCHIVE.c.error.type),
+    )
+    statement = _upserted(upsert, rows).add_cte(done)
+    return statement.execution_options(preserve_rowcount=True)
+
+
+def archive_lease(
+    job_id: uuid.UUID,
+    token: uuid.UUID,
+    *,
+    status: str,
+    attempts: int,
+    finished_at: datetime,
+    error: str | None,
+    upsert: ArchiveUpsert,
+) -> Statement:
+    """Remove a leased job where it still carries the run's token and archive it, in one
+    statement (PostgreSQL's DML CTE); its rowcount is 0 when the run was fenced off."""
+    return _archive_lease(upsert), {
+        "job_id": job_id,
+        "token": token,
+        "attempts": attempts,
+        "status": status,
+        "now": finished_at,
+        "error": error,
+    }
+
+
+_STILL_LEASED = (
+    select(JOB.c.job_id)
+    .where(*_HELD)
+    .with_for_update()
+    .with_hint(JOB, _JOB_BY_ID, "mysql")
+    .with_hint(JOB, _JOB_BY_ID, "mariadb")
+)
+
+
+def end_leases(
+    job_ids: list[uuid.UUID], tokens: list[uuid.UUID], *, force_index: bool = False
+) -> tuple[Statement, Any]:
+    """A claim's succeeded jobs, ended together: the lock of those that still carry one
+    of its tokens (the fence; the job-id index named on MySQL), and the delete of a list of
+    ids (give it the locked ones)."""
+    return (_STILL_LEASED, {"ids": job_ids, "tokens": tokens}), _delete_by(
+        JOB, ("job_id",), "ids", force_index
+    )
+
+
+def end_lease(job_id: uuid.UUID, token: uuid.UUID) -> Statement:
+    """Remove a leased job that ended, only if it still carries the run's token (the fence:
+    a run whose lease another run took removes nothing)."""
+    return _END_LEASE, {"job_id": job_id, "token": token}
+
+
+_RETRY_LEASE = (
+    update(JOB)
+    .where(JOB.c.job_id == bindparam("id"), JOB.c.lease_token == _TOKEN)
+    .ordered_values(*_NO_LEASE[1:], (JOB.c.process_at, bindparam("retry_at")))
+)
+
+
+def retry_lease(job_id: uuid.UUID, token: uuid.UUID, retry_at: datetime) -> Statement:
+    """Schedule a leased job's next run (its claim counted this one), fenced by the token."""
+    return _RETRY_LEASE, {"id": job_id, "token": token, "retry_at": retry_at}
+
+
+_RELEASE_LEASES = (
+    update(JOB)
+    .where(*_HELD)
+    .ordered_values(
+        # process_at first: MySQL would read the due_at cleared after it.
+        (JOB.c.process_at, func.coalesce(JOB.c.due_at, JOB.c.process_at)),
+        (JOB.c.attempts, JOB.c.attempts - 1),
+        *_NO_LEASE[1:],
+    )
+)
+
+
+def release_leases(job_ids: list[uuid.UUID], tokens: list[uuid.UUID]) -> Statement:
+    """Give leases back unrun (a stop that gave up): due again at their own time at once,
+    their run not counted, and no unclean end."""
+    return _RELEASE_LEASES, {"ids": job_ids, "tokens": tokens}
+
+
+_EXPIRE = (
+    update(JOB)
+    .where(JOB.c.job_id == bindparam("id"), JOB.c.lease_token == _TOKEN)
+    .values(process_at=bindparam("now", type_=JOB.c.process_at.type))
+)
+
+
+def expire_lease(job_id: uuid.UUID, token: uuid.UUID, now: datetime) -> Statement:
+    """End a lease now with its token kept, so that the next claim counts an unclean end
+    (a run whose session was lost, or that ended its worker)."""
+    return _EXPIRE, {"id": job_id, "token": token, "now": now}
