@@ -33,7 +33,7 @@ source "$$SP_TESTDB_DIR/env"; \
 $(1)
 endef
 
-.PHONY: venv lint test test-pg18 test-sqla-oldest faults soak quickstart bench bench-quick bench-batches bench-leases \
+.PHONY: venv lint docs dist publish test test-pg18 test-sqla-oldest faults soak quickstart bench bench-quick bench-batches bench-leases bench-profile \
 	examples.db.install examples.db.uninstall examples.db.recreate clean
 
 venv: $(STAMP)
@@ -42,7 +42,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[postgresql,mysql,dev]'
+	$(VENV)/bin/pip install -q -e '.[postgresql,mysql,dev,docs]'
 	touch $@
 
 lint: venv
@@ -50,13 +50,33 @@ lint: venv
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 	$(VENV)/bin/mypy --strict sqla_proletarian
 
+# The documentation site (mkdocs.yml) into site/, which is not committed: --strict fails on a
+# broken link or anchor, a page missing from the nav, and a public name the generated API
+# reference leaves out (scripts/mkdocs_hooks.py).
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
+# The sdist and wheel into dist/, checked as a user gets them (scripts/check_dist.sh): twine's
+# metadata check, the migrations, templates, static files and py.typed in the wheel, the
+# Alembic environment and the docs in the sdist, and the wheel installed into a clean venv,
+# outside the checkout, running the quickstart on SQLite: 45 s on a busy 2-core machine. The
+# sdist lists its files afresh (a stale egg-info would carry its old file list into it).
+# `make publish` uploads what it built (credentials: TWINE_USERNAME/TWINE_PASSWORD or ~/.pypirc).
+dist: venv
+	rm -rf dist build sqla_proletarian.egg-info
+	$(VENV)/bin/python -m build --outdir dist .
+	PYTHON=$(PYTHON) TWINE=$(VENV)/bin/twine PIP=$(VENV)/bin/pip bash scripts/check_dist.sh dist
+
+publish: dist
+	$(VENV)/bin/twine upload dist/*
+
 # The suite runs in PARALLEL pytest-xdist workers (each test has a database of its own), but
 # for the tests that stop, restart or starve the shared servers, which run alone after it.
 PARALLEL ?= 4
 SERIAL_TESTS := tests/faults tests/integration/test_database_restart.py
 
-# The whole suite; then the worker's conformance tests again through psycopg2 (what a plain
-# postgresql:// URL uses), the worker's core suites on PostgreSQL 18, and a subset on the
+# The whole suite; then the worker's conformance tests again through psycopg2 (the suite's
+# default is psycopg 3, what a plain postgresql:// URL uses on SQLAlchemy 2.1), the worker's core suites on PostgreSQL 18, and a subset on the
 # oldest SQLAlchemy claimed.
 PSYCOPG2_TESTS := tests/integration/test_hardening.py tests/integration/test_worker_outcomes.py \
 	tests/integration/test_batches.py tests/integration/test_wakeups.py \
@@ -78,7 +98,7 @@ PG18_RUN = if [ -n "$${SP_TEST_POSTGRESQL18_URL:-}" ]; then \
 
 # The dashboard's browser tests need Debian's chromium and chromium-driver: installed here when
 # missing (as root); without them the browser tests skip, and fail under CI.
-test: venv lint $(VENV_SQLA_OLDEST)/.installed.stamp
+test: venv lint docs dist $(VENV_SQLA_OLDEST)/.installed.stamp
 	-bash scripts/browser.sh
 	$(call with_testdb,$(VENV)/bin/pytest tests -q -n $(PARALLEL) $(SERIAL_TESTS:%=--ignore=%) && \
 		$(VENV)/bin/pytest $(SERIAL_TESTS) -q && \
@@ -122,19 +142,27 @@ quickstart: venv
 
 # The benchmark, on durable PostgreSQL and MariaDB servers of its own (scripts/benchdb.sh,
 # started and stopped by it): every contender in interleaved rounds, one table printed and
-# written to benchmarks/results.md; then lease mode's figures (bench-leases). bench-quick is
-# the smoke run; BENCH_ARGS passes options (--only NAME,..., --rounds R, --jobs N), LEASES_ARGS
-# those of bench-leases.
+# written to benchmarks/results.md; then lease mode's figures (bench-leases), then what an
+# idle worker costs (benchmarks.idle, under a minute). bench-quick is the smoke run;
+# BENCH_ARGS passes options (--only NAME,..., --rounds R, --jobs N), LEASES_ARGS those of
+# bench-leases, IDLE_ARGS those of benchmarks.idle.
 bench bench-quick: venv
 	@$(VENV)/bin/python -c 'import pgqueuer, procrastinate, asyncpg' 2>/dev/null || \
 		$(VENV)/bin/pip install -q -e '.[postgresql,mysql,dev,bench]'
 	$(VENV)/bin/python -m benchmarks.run $(if $(filter bench-quick,$@),--quick) $(BENCH_ARGS)
 	$(VENV)/bin/python -m benchmarks.leases $(if $(filter bench-quick,$@),--quick) $(LEASES_ARGS)
+	$(VENV)/bin/python -m benchmarks.idle $(IDLE_ARGS)
 
 # Lease mode beside transaction mode: drains, polls and drains while a long job runs, the
 # connections long jobs hold, recovery after a SIGKILL; its own section of results.md.
 bench-leases: venv
 	$(VENV)/bin/python -m benchmarks.leases $(LEASES_ARGS)
+
+# Where the worker's client CPU goes per job (cProfile of every worker thread, both modes,
+# batch_size 1 and 50, 1 and 4 threads): its own section of results.md. PROFILE_ARGS passes
+# options (--jobs N, --only NAME,..., --top K).
+bench-profile: venv
+	$(VENV)/bin/python -m benchmarks.profile $(PROFILE_ARGS)
 
 # The batched drain on MariaDB and PostgreSQL, counted (extra handler runs, lost job
 # transactions, run-record cleanup errors, deadlocks): its own section of results.md.
@@ -158,5 +186,5 @@ examples.db.recreate: examples.db.uninstall
 	$(MAKE) examples.db.install
 
 clean:
-	rm -rf $(VENV) $(VENV_SQLA_OLDEST) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache .tox .hypothesis
+	rm -rf $(VENV) $(VENV_SQLA_OLDEST) build dist site *.egg-info .mypy_cache .ruff_cache .pytest_cache .tox .hypothesis
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -6,10 +6,12 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import threading
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -22,6 +24,9 @@ from benchmarks.job import JOB_TYPE, PAYLOAD, PAYLOAD_TEXT
 from benchmarks.procs import Crew, Crews, sample_latencies
 
 THREADS = 4
+#: What a drain must never show, counted over its rounds: a job's handler run more than once,
+#: a job transaction the library logged as lost, a deadlock the server detected.
+PROBLEMS = ("extra runs", "job-transaction-lost", "deadlocks")
 
 
 class NotAvailable(Exception):
@@ -101,27 +106,78 @@ def drain(engine: sa.Engine, jobs: int, **options: Any) -> float:
     return jobs / elapsed
 
 
+@dataclass
+class Drained:
+    """A drain's jobs/s and its ``PROBLEMS`` counted (the server's deadlocks by the caller)."""
+
+    rate: float
+    counts: Counter[str] = field(default_factory=Counter)
+
+
+class RunCounter:
+    """A no-op handler (advanced mode) that counts its runs by job id."""
+
+    def __init__(self) -> None:
+        self.runs: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def __call__(self, job: sp.JobContext) -> None:
+        with self._lock:
+            self.runs[job.job_id.hex] += 1
+
+
+def problems(runs: Counter[str], logged: Counter[str]) -> Counter[str]:
+    """The extra handler runs (a job run more than once) and the lost job transactions."""
+    return Counter(
+        {
+            "extra runs": sum(runs.values()) - len(runs),
+            "job-transaction-lost": logged["job-transaction-lost"],
+        }
+    )
+
+
+def drain_counted(engine: sa.Engine, jobs: int, **options: Any) -> Drained:
+    """``drain``, with each job's handler runs and the library's lost transactions counted."""
+    runs = RunCounter()
+    queue_worker = worker(engine, runs, handler_mode="advanced", **options)
+    fresh_tables(engine)
+    fill(engine, jobs)
+    before = Counter(EVENTS.counts)
+    elapsed = run_until(queue_worker, jobs)
+    check_drained(engine, jobs, f"sqla-proletarian {options}")
+    return Drained(jobs / elapsed, problems(runs.runs, EVENTS.counts - before))
+
+
 def _drain_child(crew: Crew, url: str, options: dict[str, Any]) -> None:
     count_events()
     engine = sa.create_engine(url, pool_size=2 * THREADS + 2)
-    queue_worker = worker(engine, **options)
+    runs = RunCounter()
+    queue_worker = worker(engine, runs, handler_mode="advanced", **options)
     crew.ready_and_wait()
     with queue_worker:
         while not crew.stop.wait(0.002):
             crew.count.value = queue_worker.summary()["succeeded"]
+    crew.report("counts", dict(runs.runs), dict(EVENTS.counts))
 
 
 def drain_processes(
     engine: sa.Engine, url: str, jobs: int, processes: int, **options: Any
-) -> float:
-    """Jobs/s of ``processes`` worker processes, each with 4 threads."""
+) -> Drained:
+    """Jobs/s of ``processes`` worker processes, each with 4 threads, and what they counted."""
     worker(engine, **options)  # NotAvailable before any process starts
     fresh_tables(engine)
     fill(engine, jobs)
+    runs: Counter[str] = Counter()
+    logged: Counter[str] = Counter()
     with Crews(processes, _drain_child, url, options) as crews:
         elapsed = crews.wait_count(jobs)
+        crews.stop.set()
+        for _ in range(processes):
+            _, counted, events = crews.next_report(120)
+            runs.update(counted)
+            logged.update(events)
     check_drained(engine, jobs, f"sqla-proletarian, {processes} processes")
-    return jobs / elapsed
+    return Drained(jobs / elapsed, problems(runs, logged))
 
 
 def enqueue_many(engine: sa.Engine, jobs: int) -> float:

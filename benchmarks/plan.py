@@ -10,10 +10,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import sqlalchemy as sa
+
 from benchmarks import library, raw, scale, vs_pgqueuer, vs_procrastinate
+from benchmarks.batch_drain import server_deadlocks
 from benchmarks.report import Results
 from benchmarks.servers import Server
 
+#: The lease of lease mode's drain rows: far longer than any job here takes.
+LEASE_SECONDS = 30.0
 #: The tags ``--only`` accepts, by kind: a measurement runs when, for every kind named,
 #: one of its tags was named.
 KINDS = {
@@ -31,6 +36,8 @@ class Settings:
     jobs: int = 10_000
     per_transaction: int = 50
     batch_sizes: tuple[int, ...] = (10, 50, 100)
+    #: Lease mode's batched rows: fewer, to keep a whole run under 40 minutes.
+    lease_batch_sizes: tuple[int, ...] = (50,)
     sweep_jobs: int = 5_000
     sweep_passes: int = 2
     commits: int = 1_000
@@ -139,6 +146,19 @@ def _tag(*tags: str) -> frozenset[str]:
     return frozenset(tags)
 
 
+def modes(lease_seconds: float) -> dict[str, dict[str, Any]]:
+    """The worker options of each mode."""
+    return {"transaction": {}, "lease": {"lease_seconds": lease_seconds}}
+
+
+def in_mode(name: str, mode: str, lease_seconds: float = LEASE_SECONDS) -> str:
+    """A library row's name in a mode: ``sqla-proletarian lease_seconds=30, batch_size=10``."""
+    if mode == "transaction":
+        return name
+    lease = f"sqla-proletarian lease_seconds={lease_seconds:g},"
+    return name.replace("sqla-proletarian,", lease, 1).replace(" (defaults)", "")
+
+
 class Plan:
     """The measurements of a run, in the order each round takes them."""
 
@@ -148,8 +168,9 @@ class Plan:
         self.tuned: dict[str, Tuned] = {}
         self.notes: list[str] = []
         self.measurements: list[Measurement] = []
-        self.batch_rows: list[str] = []
-        self.library_rows: list[str] = []
+        #: Per mode (transaction, lease): its batch_size rows, and all its library rows.
+        self.batch_rows: list[list[str]] = []
+        self.library_rows: list[list[str]] = []
         self.batched = library.has_batches(servers[0].engine())
         for server in servers:
             self._drains(server)
@@ -196,29 +217,50 @@ class Plan:
             lambda: raw.drain(engine, s.jobs, s.per_transaction),
         )
         lib = _tag("drain", "library", key)
-        add(lib, sp_default, raw1, lambda: library.drain(engine, s.jobs))
-        add(
-            lib,
-            "sqla-proletarian, batch_size=1, ledger off",
-            raw1,
-            lambda: library.drain(engine, s.jobs, max_unclean_ends=None),
-        )
-        batch_rows = []
-        for batch in s.batch_sizes:
-            name = f"sqla-proletarian, batch_size={batch}"
-            batch_rows.append(name)
-            add(
-                lib, name, rawn, lambda batch=batch: library.drain(engine, s.jobs, batch_size=batch)
-            )
+        pgqueuer = ("pgqueuer tuned",) if server.is_postgresql else ()
         options = {"batch_size": s.per_transaction} if self.batched else {}
         setting = f"batch_size={s.per_transaction}" if self.batched else "batch_size=1"
-        one = f"sqla-proletarian, 1 process x 4 threads, {setting}"
-        two = f"sqla-proletarian, 2 processes x 4 threads, {setting}"
-        add(lib, one, rawn, lambda: library.drain_processes(engine, url, s.jobs, 1, **options))
-        add(lib, two, one, lambda: library.drain_processes(engine, url, s.jobs, 2, **options))
-        self.batch_rows = batch_rows
-        self.library_rows = [sp_default, "sqla-proletarian, batch_size=1, ledger off"]
-        self.library_rows += [*batch_rows, one, two]
+        self.library_rows, self.batch_rows = [], []
+        for mode, lease in modes(LEASE_SECONDS).items():
+            # Lease mode's rows after transaction mode's, in the same rounds, each also given
+            # as a ratio to its transaction-mode twin.
+            batch_sizes = s.lease_batch_sizes if lease else s.batch_sizes
+            rows: dict[str, tuple[dict[str, Any], str]] = {
+                sp_default: ({}, raw1),
+                "sqla-proletarian, batch_size=1, ledger off": ({"max_unclean_ends": None}, raw1),
+                **{
+                    f"sqla-proletarian, batch_size={b}": ({"batch_size": b}, rawn)
+                    for b in batch_sizes
+                },
+            }
+            for name, (kw, ref) in rows.items():
+                self._counted_drain(
+                    lib,
+                    section,
+                    in_mode(name, mode),
+                    ref,
+                    (*pgqueuer, *([name] if lease else [])),
+                    engine,
+                    lambda kw=kw, lease=lease: library.drain_counted(engine, s.jobs, **kw, **lease),
+                )
+            self.batch_rows.append(
+                [in_mode(f"sqla-proletarian, batch_size={b}", mode) for b in batch_sizes]
+            )
+            one = f"sqla-proletarian, 1 process x 4 threads, {setting}"
+            two = f"sqla-proletarian, 2 processes x 4 threads, {setting}"
+            for name, processes, ref in ((one, 1, rawn), (two, 2, in_mode(one, mode))):
+                self._counted_drain(
+                    lib,
+                    section,
+                    in_mode(name, mode),
+                    ref,
+                    (*pgqueuer, *([name] if lease else [])),
+                    engine,
+                    lambda processes=processes, lease=lease: library.drain_processes(
+                        engine, url, s.jobs, processes, **options, **lease
+                    ),
+                )
+            self.library_rows.append([in_mode(name, mode) for name in [*rows, one, two]])
         if not server.is_postgresql:
             return
         pgq, pro = server.libpq_dsn("bench_pgqueuer"), server.libpq_dsn("bench_procrastinate")
@@ -244,6 +286,33 @@ class Plan:
                     results, section, name, module, dsn
                 ),
             )
+
+    def _counted_drain(
+        self,
+        tags: frozenset[str],
+        section: str,
+        name: str,
+        ref: str,
+        also: tuple[str, ...],
+        engine: sa.Engine,
+        measure: Callable[[], library.Drained],
+    ) -> None:
+        """A drain row of the library, with its ``library.PROBLEMS`` counted over the rounds."""
+
+        def run(results: Results) -> None:
+            before = server_deadlocks(engine)
+            try:
+                drained = measure()
+            except library.NotAvailable as exc:
+                results.missing(section, name, "jobs/s", str(exc), ref)
+                return
+            # Closed connections report their statistics (PostgreSQL counts deadlocks so).
+            engine.dispose()
+            drained.counts["deadlocks"] = server_deadlocks(engine) - before
+            results.add(section, name, drained.rate, "jobs/s", ref, also)
+            results.count(section, name, drained.counts)
+
+        self._add(tags, f"{section}: {name}", run)
 
     def tune(self, only: set[str]) -> None:
         """Before round 1: sweep pgqueuer's and procrastinate's settings (those that will run)."""

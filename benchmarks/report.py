@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import statistics
 import subprocess
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,6 +62,10 @@ class Row:
     ref: str | None = None
     values: list[float] = field(default_factory=list)
     note: str | None = None
+    #: Further rows to give a ratio to (a name, or a name's start before its " (...)").
+    also: tuple[str, ...] = ()
+    #: What a drain counted over the rounds (extra handler runs, lost transactions...).
+    counts: Counter[str] | None = None
 
     @property
     def median(self) -> float | None:
@@ -89,21 +94,53 @@ class Results:
         self.rows: dict[tuple[str, str], Row] = {}
         self.notes: list[str] = []
 
-    def row(self, section: str, name: str, unit: str, ref: str | None = None) -> Row:
+    def row(
+        self, section: str, name: str, unit: str, ref: str | None = None, also: tuple[str, ...] = ()
+    ) -> Row:
         key = (section, name)
         if key not in self.rows:
-            self.rows[key] = Row(section, name, unit, ref)
+            self.rows[key] = Row(section, name, unit, ref, also=also)
         return self.rows[key]
 
-    def add(self, section: str, name: str, value: float, unit: str, ref: str | None = None) -> None:
-        self.row(section, name, unit, ref).values.append(value)
+    def add(
+        self,
+        section: str,
+        name: str,
+        value: float,
+        unit: str,
+        ref: str | None = None,
+        also: tuple[str, ...] = (),
+    ) -> None:
+        self.row(section, name, unit, ref, also).values.append(value)
+
+    def count(self, section: str, name: str, counts: Counter[str]) -> None:
+        """Add one round's counts to a row (kept even when they are all zero)."""
+        row = self.rows[(section, name)]
+        row.counts = row.counts or Counter()
+        for key, n in counts.items():
+            row.counts[key] += n
+
+    def problems(self) -> list[str]:
+        """The rows whose counts are not all zero, in words."""
+        return [
+            f"{row.section}: {row.name}: {counted(row.counts)}"
+            for row in self.rows.values()
+            if row.counts and any(row.counts.values())
+        ]
 
     def missing(
         self, section: str, name: str, unit: str, note: str, ref: str | None = None
     ) -> None:
         self.row(section, name, unit, ref).note = note
 
-    def best(self, section: str, name: str, among: list[str], ref: str | None = None) -> None:
+    def best(
+        self,
+        section: str,
+        name: str,
+        among: list[str],
+        ref: str | None = None,
+        also: tuple[str, ...] = (),
+    ) -> None:
         """A row repeating the best (highest median) of the named rows of a section, placed
         after the last of them."""
         rows = [self.rows[(section, n)] for n in among if (section, n) in self.rows]
@@ -111,8 +148,8 @@ class Results:
         if not measured:
             return
         top = max(measured, key=lambda row: row.median or 0.0)
-        note = top.name.removeprefix("sqla-proletarian, ")
-        best = Row(section, name, top.unit, ref, list(top.values), note)
+        note = top.name.removeprefix("sqla-proletarian, ").removeprefix(f"{prefix(name)}, ")
+        best = Row(section, name, top.unit, ref, list(top.values), note, also, top.counts)
         self.rows.pop((section, name), None)
         keys = list(self.rows)
         last = max(keys.index((row.section, row.name)) for row in rows)
@@ -120,42 +157,71 @@ class Results:
         self.rows[(section, name)] = best
         self.rows = {key: self.rows[key] for key in keys}
 
-    def ratio(self, row: Row) -> str:
-        if row.ref is None or row.median is None:
-            return ""
-        ref = self.rows.get((row.section, row.ref))
-        if ref is None or not ref.median:
-            return ""
-        return f"{row.median / ref.median:.2f}x {ref.name}"
+    def _find(self, section: str, name: str) -> Row | None:
+        """The row ``name`` of a section, or the one whose name is ``name (...)``."""
+        found = self.rows.get((section, name))
+        if found is not None:
+            return found
+        for (in_section, other), row in self.rows.items():
+            if in_section == section and other.startswith(f"{name} ("):
+                return row
+        return None
 
-    def lines(self) -> list[tuple[str, str, str]]:
-        """(name, median (min-max), ratio) per row, with a header line per section."""
-        out: list[tuple[str, str, str]] = []
+    def ratio(self, row: Row) -> str:
+        if row.median is None:
+            return ""
+        ratios = []
+        for name in (row.ref, *row.also):
+            ref = None if name is None else self._find(row.section, name)
+            if ref is not None and ref.median:
+                ratios.append(f"{row.median / ref.median:.2f}x {ref.name}")
+        return "; ".join(ratios)
+
+    def lines(self) -> list[tuple[str, str, str, str]]:
+        """(name, median (min-max), ratio, counts) per row, with a header line per section."""
+        out: list[tuple[str, str, str, str]] = []
         section = None
         for row in self.rows.values():
             if row.section != section:
                 section = row.section
-                out.append((f"[{section}, {row.unit}]", "", ""))
+                out.append((f"[{section}, {row.unit}]", "", "", ""))
             name = row.name if not (row.values and row.note) else f"{row.name} = {row.note}"
-            out.append((name, row.spread(), self.ratio(row)))
+            out.append((name, row.spread(), self.ratio(row), counted(row.counts)))
         return out
 
     def table(self) -> str:
         lines = self.lines()
-        widths = [max(len(line[i]) for line in lines) for i in range(2)]
+        widths = [max(len(line[i]) for line in lines) for i in range(3)]
         text = []
-        for name, spread, ratio in lines:
+        for name, spread, ratio, counts in lines:
             if not spread:
                 text.append(name)
             else:
-                text.append(f"  {name:<{widths[0]}}  {spread:>{widths[1]}}  {ratio}".rstrip())
+                text.append(
+                    f"  {name:<{widths[0]}}  {spread:>{widths[1]}}  {ratio:<{widths[2]}}"
+                    f"  {counts}".rstrip()
+                )
         return "\n".join(text)
 
     def markdown(self) -> str:
-        text = ["| figure | median (min-max) | ratio |", "|---|---:|---|"]
-        for name, spread, ratio in self.lines():
-            if not spread:
-                text.append(f"| **{name.strip('[]')}** | | |")
-            else:
-                text.append(f"| {name} | {spread} | {ratio} |")
+        """The table in Markdown; a column of counts when some row has them."""
+        with_counts = any(row.counts is not None for row in self.rows.values())
+        head = ["figure", "median (min-max)", "ratio"] + ["counted (all rounds)"] * with_counts
+        text = ["| " + " | ".join(head) + " |", "|---|---:|---|" + "---|" * with_counts]
+        for name, spread, ratio, counts in self.lines():
+            cells = [name, spread, ratio] if spread else [f"**{name.strip('[]')}**", "", ""]
+            cells += [counts] * with_counts
+            text.append("| " + " | ".join(cells) + " |")
         return "\n".join(text)
+
+
+def counted(counts: Counter[str] | None) -> str:
+    """``extra runs: 0, job-transaction-lost: 0, deadlocks: 0``, or nothing."""
+    if counts is None:
+        return ""
+    return ", ".join(f"{name}: {n:,}" for name, n in counts.items())
+
+
+def prefix(name: str) -> str:
+    """A row name's part before its first comma (``sqla-proletarian lease_seconds=30``)."""
+    return name.split(",", 1)[0]

@@ -27,7 +27,17 @@ import sqlalchemy as sa
 import sqla_proletarian as sp
 from benchmarks import vs_procrastinate
 from benchmarks.library import EVENTS, count_events
-from benchmarks.plan import KINDS, Measurement, Plan, Settings, describe, wanted
+from benchmarks.plan import (
+    KINDS,
+    LEASE_SECONDS,
+    Measurement,
+    Plan,
+    Settings,
+    describe,
+    in_mode,
+    modes,
+    wanted,
+)
 from benchmarks.report import RESULTS, Results, kept_sections, library_commit
 from benchmarks.servers import durable_servers
 
@@ -74,21 +84,29 @@ def run_one(measurement: Measurement, results: Results, events: dict[str, Counte
 
 
 def derive_best(plan: Plan, results: Results) -> None:
-    """The best batch size and the best setting of the library, per drain section."""
+    """The best batch size and the best setting of the library, per drain section and mode."""
     for server in plan.servers:
         section = plan.drain_section(server)
-        results.best(
-            section,
-            "sqla-proletarian, best setting",
-            plan.library_rows,
-            ref="raw SQL, 1 job/transaction",
-        )
-        results.best(
-            section,
-            "sqla-proletarian, best batch_size",
-            plan.batch_rows,
-            ref=f"raw SQL, {plan.s.per_transaction} jobs/transaction",
-        )
+        pgqueuer = ("pgqueuer tuned",) if server.is_postgresql else ()
+        for mode, library_rows, batch_rows in zip(
+            modes(LEASE_SECONDS), plan.library_rows, plan.batch_rows, strict=True
+        ):
+            twin = () if mode == "transaction" else ("sqla-proletarian, best setting",)
+            results.best(
+                section,
+                in_mode("sqla-proletarian, best setting", mode),
+                library_rows,
+                ref="raw SQL, 1 job/transaction",
+                also=(*pgqueuer, *twin),
+            )
+            twin = () if mode == "transaction" else ("sqla-proletarian, best batch_size",)
+            results.best(
+                section,
+                in_mode("sqla-proletarian, best batch_size", mode),
+                batch_rows,
+                ref=f"raw SQL, {plan.s.per_transaction} jobs/transaction",
+                also=(*pgqueuer, *twin),
+            )
 
 
 def header(settings: Settings, started: datetime, seconds: float, commit: str) -> list[str]:
@@ -116,7 +134,14 @@ def method(s: Settings) -> list[str]:
         " worker's start until every job is done: the library's summary count, or for pgqueuer"
         " and procrastinate the database saying all are done (asked every 20 ms); every drain"
         " is checked (all archived once, none left). Processes are spawned, each with its own"
-        " engine, and told to start together.",
+        " engine, and told to start together. The library's rows run in both modes, in the"
+        f" same rounds: transaction mode, then lease mode (lease_seconds={LEASE_SECONDS:g};"
+        f" batched at batch_size {', '.join(map(str, s.lease_batch_sizes))} only, to keep the"
+        " run under 40 minutes);"
+        " its handler is a no-op in advanced mode that counts its runs by job id, and each"
+        " drain counts the extra runs (a job's handler run more than once), the library's"
+        " job-transaction-lost events and the deadlocks the server detected"
+        " (Innodb_deadlocks, pg_stat_database.deadlocks); any of them not 0 fails the run.",
         f"Enqueue: bulk = {s.jobs:,} jobs in one call or statement and one commit; per commit"
         f" = {s.commits:,} commits in one thread, a new Connection or Session each.",
         f"Idle latency: a warm-up job, then {s.latency_samples} jobs a round, one at a time,"
@@ -182,6 +207,8 @@ def main() -> None:
     for label, counts in events.items():
         logged = ", ".join(f"{n} {event}" for event, n in counts.most_common())
         notes.append(f"{label}: the library logged {logged} (all rounds, in-process workers)")
+    problems = results.problems()
+    notes += [f"NOT CLEAN: {problem}" for problem in problems]
     print()
     print("\n".join(lines))
     print()
@@ -196,6 +223,22 @@ def main() -> None:
     text += [f"\n{section}" for section in kept_sections(previous)]
     args.output.write_text("\n".join(text) + "\n")
     print(f"\nwritten to {args.output} ({seconds / 60:.1f} min)")
+    if problems:
+        shout(problems)
+        sys.exit(1)
+
+
+def shout(problems: list[str]) -> None:
+    """Say on stderr, so that nobody misses it, which drains were not clean."""
+    bar = "!" * 78
+    print(f"\n{bar}", file=sys.stderr)
+    print(
+        "DRAINS THAT RAN A HANDLER MORE THAN ONCE, LOST A JOB TRANSACTION OR DEADLOCKED:",
+        file=sys.stderr,
+    )
+    for problem in problems:
+        print(f"  {problem}", file=sys.stderr)
+    print(bar, file=sys.stderr)
 
 
 if __name__ == "__main__":

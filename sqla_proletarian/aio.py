@@ -47,7 +47,14 @@ from sqla_proletarian.leases import LeaseRunner, LeaseSession, new_runner
 from sqla_proletarian.logs import log_event
 from sqla_proletarian.running import RUNNING_SIGNAL, Outcome, RunSettings
 from sqla_proletarian.values import DEFAULT_QUEUE
-from sqla_proletarian.worker import WorkerOptions, _check_pool, scheduler_for, transient_backoff
+from sqla_proletarian.worker import (
+    WorkerOptions,
+    _check_pool,
+    listening_pause,
+    polling_pause,
+    scheduler_for,
+    transient_backoff,
+)
 
 #: Tasks running jobs at the same time.
 DEFAULT_CONCURRENCY = 1
@@ -271,6 +278,13 @@ class AsyncQueueWorker:
         self._keeper: asyncio.Task[None] | None = None
         #: Lease mode: the tasks running handlers (a handler's stop() only asks for it).
         self._handler_tasks: set[asyncio.Future[Any]] = set()
+        #: Transaction mode: one idle task at a time (the watcher) polls; the others wait for
+        #: ``_woken``, set (and replaced) at each wake-up. Lease mode: each task polls.
+        self._shared_idle = options.lease_seconds is None
+        self._woken = asyncio.Event()
+        self._watcher: asyncio.Task[Any] | None = None
+        if self._shared_idle:
+            self._runner.on_claim = self._end_watch
 
     def _settings(self, settings: RunSettings) -> RunSettings:
         """The run settings with the user's functions wrapped: advanced-mode handlers and the
@@ -399,7 +413,7 @@ class AsyncQueueWorker:
 
     def wake(self) -> None:
         """Make idle tasks poll now instead of after the polling interval (from any thread)."""
-        self._call_soon(self._wakeup.set)
+        self._call_soon(self._wake_all)
 
     def wake_for_enqueue(self, committing: bool) -> None:
         """A job of this worker's queue was enqueued in this process (from any thread) and its
@@ -409,7 +423,20 @@ class AsyncQueueWorker:
     def _woken_by_enqueue(self, committing: bool) -> None:
         if committing:
             self._burst = len(wakeups.BURST)
+        self._wake_all()
+
+    def _wake_all(self) -> None:
+        """End every idle task's wait: each polls once."""
+        self._woken.set()
+        self._woken = asyncio.Event()
         self._wakeup.set()
+
+    def _end_watch(self) -> None:
+        """The current task claimed jobs or ends: if it was the watcher, every idle task
+        polls (more jobs may be due), and the first to find the queue empty watches next."""
+        if self._watcher is not None and self._watcher is asyncio.current_task():
+            self._watcher = None
+            self._wake_all()
 
     def _call_soon(self, callback: Callable[..., object], *args: Any) -> None:
         loop = self._loop
@@ -452,7 +479,7 @@ class AsyncQueueWorker:
     def _begin_shutdown(self) -> asyncio.Task[None]:
         """The task doing the stop, started by the first call."""
         self._stopping.set()
-        self._wakeup.set()
+        self._wake_all()
         if self._shutdown is None:
             self._shutdown = asyncio.get_running_loop().create_task(
                 self._shut_down(), name=f"{self.worker_id}-stopper"
@@ -550,12 +577,14 @@ class AsyncQueueWorker:
         connections: Any = None
         try:
             while not self._stopping.is_set():
+                woken = self._woken  # before the poll: a wake-up during it is not missed
                 try:
                     if connections is None:
                         connections = await greenlet_spawn(runner.open_connections)
                     if self._scheduler is not None:
                         await greenlet_spawn(self._scheduler.tick, connections.conn)
                     ran = await greenlet_spawn(runner.process_one, connections)
+                    pause = None if ran else await self._idle_pause(connections)
                     backoff = 0.0
                 except Exception as exc:
                     if connections is not None:
@@ -568,25 +597,50 @@ class AsyncQueueWorker:
                     if await self._polling_error(exc):
                         self._stop_itself(exc)
                         return
-                    await self._idle()
+                    await self._idle(woken, self._own_pause())
                     continue
                 if not ran:
-                    await self._idle()
+                    await self._idle(woken, pause)
         finally:
+            self._end_watch()
             if connections is not None:
                 await greenlet_spawn(connections.close)
 
-    async def _idle(self) -> None:
-        """Pause after the queue is drained; wake() or stop() ends the pause early."""
-        burst = self._burst
-        if burst:
-            self._burst = burst - 1
-            pause = wakeups.BURST[len(wakeups.BURST) - burst]
+    def _own_pause(self) -> float:
+        """The pause of a task that polls on its own (see ``polling_pause``)."""
+        self._burst, pause = polling_pause(self._burst, self.options.polling_interval)
+        return pause
+
+    async def _idle_pause(self, connections: Any) -> float | None:
+        """After an empty poll: how long this task waits before polling again, or None to
+        wait for a wake-up while another idle task, the watcher, polls for all of them."""
+        if not self._shared_idle:
+            return self._own_pause()
+        task = asyncio.current_task()
+        if self._watcher is None:
+            self._watcher = task
+        elif self._watcher is not task:
+            return None
+        listener = self._listener
+        if self._burst or listener is None or not listener.listening:
+            return self._own_pause()
+        return await greenlet_spawn(
+            listening_pause, self.options, self._scheduler, self._runner, connections.conn
+        )
+
+    async def _idle(self, woken: asyncio.Event, pause: float | None) -> None:
+        """Wait after an empty poll, for ``pause`` seconds (None: no limit); a wake-up since
+        the poll began (``woken`` is set), or stop(), ends the wait early."""
+        if not self._shared_idle:
+            assert pause is not None
+            await _wait(self._wakeup, pause)
+            if not self._stopping.is_set():
+                self._wakeup.clear()
+            return
+        if pause is None:
+            await woken.wait()
         else:
-            pause = self.options.polling_interval
-        await _wait(self._wakeup, pause)
-        if not self._stopping.is_set():
-            self._wakeup.clear()
+            await _wait(woken, pause)
 
     async def _polling_error(self, exc: Exception) -> bool:
         """Hand a non-transient polling error to on_polling_error; True means stop."""
@@ -616,13 +670,15 @@ class _Listener:
     """A task that LISTENs on PostgreSQL through the engine's own asyncio driver (asyncpg's
     ``add_listener``, or psycopg's ``notifies()``), on a connection of its own outside the
     pool, and wakes the worker when its queue gets a job. Reconnects after errors, backing
-    off up to 5 s; a job committed while it was not listening is found by the next poll.
+    off up to 5 s; ``listening`` says whether it is listening now, and each change wakes the
+    worker, whose poll then finds a job committed while it was not.
     """
 
     def __init__(self, engine: AsyncEngine, queue: str, wake: Callable[[], None]) -> None:
         self.engine = engine
         self.queue = queue
         self.wake = wake
+        self.listening = False
         self._task: asyncio.Task[None] | None = None
 
     @staticmethod
@@ -658,12 +714,20 @@ class _Listener:
             else:
                 await driver.set_autocommit(True)
                 await driver.execute(f"LISTEN {wakeups.CHANNEL}")
+                self._listening(True)
                 async for note in driver.notifies():
                     if note.payload == self.queue:
                         self.wake()
         finally:
+            self._listening(False)
             with contextlib.suppress(Exception):
                 await driver.close()
+
+    def _listening(self, listening: bool) -> None:
+        """Note whether LISTEN is in effect, waking the worker at each change."""
+        if listening != self.listening:
+            self.listening = listening
+            self.wake()
 
     async def _listen_asyncpg(self, driver: Any) -> None:
         lost = asyncio.Event()
@@ -674,6 +738,7 @@ class _Listener:
 
         driver.add_termination_listener(lambda conn: lost.set())
         await driver.add_listener(wakeups.CHANNEL, notified)
+        self._listening(True)
         await lost.wait()
         raise ConnectionError("the LISTEN connection was closed")
 

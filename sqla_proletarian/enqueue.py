@@ -9,6 +9,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, cast
 
 from sqlalchemy import Connection, Engine, event
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Mapper, Session, scoped_session
 
 from sqla_proletarian import wakeups
@@ -20,6 +21,12 @@ from sqla_proletarian.errors import (
 )
 from sqla_proletarian.models import Job
 from sqla_proletarian.statements import insert_job, insert_jobs
+from sqla_proletarian.statements.enqueue import (
+    DriverInsert,
+    driver_insert,
+    many_parameters,
+    row_parameters,
+)
 from sqla_proletarian.unique import enqueue_unique
 from sqla_proletarian.values import (
     DEFAULT_PRIORITY,
@@ -95,14 +102,19 @@ def enqueue(
     if isinstance(session_or_connection, Connection):
         _check_connection(session_or_connection)
         values = build_job_values(job_type, payload, **fields)
-        session_or_connection.execute(*insert_job(values))
+        insert = driver_insert(session_or_connection.dialect, many=False)
+        if insert is None:
+            session_or_connection.execute(*insert_job(values))
+        else:
+            session_or_connection.exec_driver_sql(insert.statement, row_parameters(insert, values))
         wakeups.enqueued(session_or_connection, {queue})
         job_id: uuid.UUID = values["job_id"]
         return job_id
     raise _not_a_transaction(session_or_connection, "enqueue")
 
 
-#: Jobs per INSERT statement of enqueue_many.
+#: Jobs per INSERT statement of enqueue_many, where it sends more than one (psycopg2's
+#: unnest arrays; drivers without a driver-level path).
 ENQUEUE_MANY_CHUNK = 1000
 
 
@@ -120,8 +132,10 @@ def enqueue_many(
     triples, to the caller's transaction; their ids in order. Never commits.
 
     Every job is validated before anything is written: a bad one raises ``InvalidJobError``
-    naming its index, and nothing is written. The rows go in one statement per 1,000 jobs,
-    through the Session's connection in its transaction, or the Connection's. A job with a
+    naming its index, and nothing is written. The rows go in through the driver's fastest
+    path (psycopg 3: binary COPY; psycopg2: unnest arrays; PyMySQL and SQLite: executemany;
+    other drivers: one statement per 1,000 jobs), through the Session's connection in its
+    transaction, or the Connection's. A job with a
     unique key goes in with a statement of its own, as ``enqueue()`` would add it: where a
     job of the queue holds its key (one queued earlier, or one before it in ``jobs``), its id
     is that job's. Further keyword options, for every job: ``serializer``,
@@ -140,16 +154,54 @@ def enqueue_many(
         **options,
     )
     connection = _connection_of(session_or_connection, "enqueue_many")
-    unnest = dialect_of(connection).bulk_insert_unnest
     plain = [row for row in rows if row["unique_key"] is None]
-    for start in range(0, len(plain), ENQUEUE_MANY_CHUNK):
-        connection.execute(*insert_jobs(plain[start : start + ENQUEUE_MANY_CHUNK], unnest=unnest))
     if plain:
+        _insert_many(connection, plain)
         wakeups.enqueued(connection, {queue})
     return [
         row["job_id"] if row["unique_key"] is None else enqueue_unique(connection, row)
         for row in rows
     ]
+
+
+def _insert_many(connection: Connection, rows: list[dict[str, Any]]) -> None:
+    """Write jobs without unique keys through the driver's fastest path (``DriverInsert``),
+    or, for drivers without one, the Core statement in chunks of ``ENQUEUE_MANY_CHUNK``."""
+    bulk = driver_insert(connection.dialect, many=True)
+    if bulk is None:
+        unnest = dialect_of(connection).bulk_insert_unnest
+        for start in range(0, len(rows), ENQUEUE_MANY_CHUNK):
+            chunk = rows[start : start + ENQUEUE_MANY_CHUNK]
+            connection.execute(*insert_jobs(chunk, unnest=unnest))
+        return
+    if bulk.form == "copy":
+        _copy(connection, bulk, rows)
+        return
+    chunk_size = ENQUEUE_MANY_CHUNK if bulk.form == "unnest" else len(rows)
+    for start in range(0, len(rows), chunk_size):
+        chunk = rows[start : start + chunk_size]
+        connection.exec_driver_sql(bulk.statement, many_parameters(bulk, chunk))
+
+
+def _copy(connection: Connection, bulk: DriverInsert, rows: list[dict[str, Any]]) -> None:
+    """psycopg 3's binary COPY of ``rows`` in the connection's transaction (begun here if the
+    Connection has not begun one, as an execute would); driver errors come out as
+    SQLAlchemy's, as from an execute."""
+    if not connection.in_transaction():
+        connection.begin()
+    dbapi = connection.dialect.loaded_dbapi
+    cursor = connection.connection.driver_connection.cursor()  # type: ignore[union-attr]
+    try:
+        with cursor.copy(bulk.statement) as copy:
+            copy.set_types(bulk.copy_types)
+            for row in many_parameters(bulk, rows):
+                copy.write_row(row)
+    except dbapi.Error as exc:
+        raise sa_exc.DBAPIError.instance(
+            str(bulk.statement), None, exc, dbapi.Error, dialect=connection.dialect
+        ) from exc
+    finally:
+        cursor.close()
 
 
 @event.listens_for(Job, "after_insert")

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from sqlalchemy import Connection
 from sqlalchemy import exc as sa_exc
 
-from sqla_proletarian import ledger, telemetry
+from sqla_proletarian import direct, ledger, telemetry
 from sqla_proletarian import statements as sql
 from sqla_proletarian.dialects import dialect_of
 from sqla_proletarian.errors import (
@@ -27,7 +27,7 @@ from sqla_proletarian.errors import (
     is_lock_conflict,
     is_transient,
 )
-from sqla_proletarian.handlers import JobContext, JobSession
+from sqla_proletarian.handlers import JobContext, JobSession, StopSignal
 from sqla_proletarian.ledger import ClaimRecords
 from sqla_proletarian.logs import log_event
 from sqla_proletarian.running import (
@@ -118,13 +118,13 @@ def poll_due_jobs(
     after = None
     if dialect.poll_finds_priority:
         first = sql.poll_first(queue, now, limit, with_runs=with_runs, excluding=excluding)
-        jobs.extend(dict(row) for row in conn.execute(*first).mappings())
+        jobs.extend(direct.execute(conn, *first).mappings())
         if len(jobs) == limit:
             return jobs
         if jobs:
             after = jobs[0]["run_order"]
     priorities = sql.due_run_orders(queue, now, dialect.priority_scan)
-    for run_order in sorted(conn.execute(*priorities).scalars()):
+    for run_order in sorted(direct.execute(conn, *priorities).scalars()):
         if after is not None and run_order <= after:
             continue
         poll = sql.poll(
@@ -135,7 +135,7 @@ def poll_due_jobs(
             with_runs=with_runs,
             excluding=excluding,
         )
-        jobs.extend(dict(row) for row in conn.execute(*poll).mappings())
+        jobs.extend(direct.execute(conn, *poll).mappings())
         if len(jobs) == limit:
             break
     return jobs
@@ -178,14 +178,22 @@ class JobRunner(RunnerBase):
 
     def keep_owner(self) -> None:
         """Check that the runner's owner lock is held, taking it back if its session ended
-        (call every ``ledger.KEEPER_INTERVAL`` while the runner works)."""
-        if self._keeper is not None:
+        (call every ``ledger.KEEPER_INTERVAL`` while the runner works); idle, it costs
+        nothing (see ``_owner_needed``)."""
+        if self._keeper is not None and self._owner_needed():
             self._keeper.check()
 
     def start_keeping_owner(self) -> None:
         """Check the owner lock from a thread of its own until ``close()``."""
         if self._keeper is not None:
-            self._keeper.start_checking()
+            self._keeper.start_checking(self._owner_needed)
+
+    def _owner_needed(self) -> bool:
+        """Whether run records may be under the owner: a claim's, from before its records
+        are written until they are removed, or records given up and not removed yet. A
+        session lost while idle is found by the first check after the next claim, within
+        ``KEEPER_INTERVAL`` as always, long before the records could count as gone."""
+        return bool(self._in_flight) or ledger.has_orphans(self._database)
 
     def close(self) -> None:
         """Give the runner's owner lock up (after its last claim)."""
@@ -289,6 +297,8 @@ class JobRunner(RunnerBase):
                 conn.commit()
                 return False
             self._in_flight[in_flight] = connections
+            if self.on_claim is not None:
+                self.on_claim()
             claim = claims[0]
             claims = self._record_claim(connections, claims)
             for claim in claims:
@@ -342,11 +352,12 @@ class JobRunner(RunnerBase):
         record = connections.record
         # The records of the ended jobs go by job id, the claim's own with them.
         runs = record.run_ids if record is not None else {}
-        own = {job_id: run_id for job_id, run_id in runs.items() if job_id not in ended}
+        ended_ids = set(ended)
+        own = {job_id: run_id for job_id, run_id in runs.items() if job_id not in ended_ids}
         force_index = self.dialect.force_index
         if not succeeded:
             for statement in sql.end_claim_runs(ended, own, force_index=force_index):
-                conn.execute(*statement)
+                direct.execute(conn, *statement)
             return
         statements = sql.archive_succeeded(
             succeeded,
@@ -357,7 +368,7 @@ class JobRunner(RunnerBase):
             returning=self.dialect.deletes_runs_with_job,
             force_index=force_index,
         )
-        counted = [conn.execute(*statement).rowcount for statement in statements]
+        counted = [direct.execute(conn, *statement).rowcount for statement in statements]
         # The job rows the archive insert read (PostgreSQL) or the job delete removed.
         removed = counted[0] if len(counted) == 1 else counted[1]
         if removed != len(succeeded):
@@ -608,10 +619,18 @@ class JobRunner(RunnerBase):
         """Run the handler and write the outcome into the claim's transaction."""
         job = claim.job
         fields = self._fields(job)
-        session = JobSession(conn)
+        # A handler of (job_type, payload) cannot reach the job's transaction: its Session
+        # is made only for a retry strategy or failed-job handler that may need it.
+        plain = self.settings.handler_mode != "advanced"
+        session = _LazySession(conn, made=not plain)
         try:
             payload, decode_error = self._payload(job)
-            context = self._context(job, payload, session)
+            signal = StopSignal()
+
+            def context_of() -> JobContext:
+                return self._context(job, payload, session.made(), signal)
+
+            context = None if plain else context_of()
             limit = self.settings.max_unclean_ends
             # Leases that expired (lease mode's unclean ends) count too; their runs are in
             # attempts already.
@@ -627,28 +646,37 @@ class JobRunner(RunnerBase):
                     expired_leases=leased,
                 )
                 log_event(logging.ERROR, "job-crashed", **fields, unclean_ends=unclean)
-                return self._fail(conn, claim, context, crashed, runs - 1)
+                return self._fail(conn, claim, context or context_of(), crashed, runs - 1)
             if unclean:
                 log_event(logging.WARNING, "job-interrupted", **fields, unclean_ends=unclean)
             log_event(logging.DEBUG, "handling-job", **fields)
             try:
                 if decode_error is not None:
                     raise decode_error
-                with session.handling():
-                    self._call_handler(context)
-                session.finish()
+                if context is None:
+                    self._call_plain(job["job_type"], payload, signal)
+                else:
+                    with session.made().handling():
+                        self._call_handler(context)
+                    session.made().finish()
             except JobTransactionLostError:
                 raise
             except Exception as exc:
-                if not conn.invalidated:
-                    session.discard()
+                if not conn.invalidated and context is not None:
+                    session.made().discard()
                 if conn.invalidated:
                     # The job's transaction is gone with its connection: nothing can be
                     # recorded; the job runs again.
                     raise
-                log_event(logging.WARNING, "handle-job-exception", **fields, error=repr(exc))
+                log_event(
+                    logging.WARNING,
+                    "handle-job-exception",
+                    **fields,
+                    error=repr(exc),
+                    traceback=describe(exc),
+                )
                 telemetry.job_error(exc)
-                return self._after_exception(conn, claim, context, exc, runs)
+                return self._after_exception(conn, claim, context or context_of(), exc, runs)
             if claim.past.unclean_ends:
                 self._archive(conn, job, "success", runs, None, with_runs=False)
             else:
@@ -656,7 +684,7 @@ class JobRunner(RunnerBase):
             log_event(logging.DEBUG, "job-finished", **fields)
             return "succeeded", None
         finally:
-            _close_quietly(session)
+            session.close()
 
     def _after_exception(
         self, conn: Connection, claim: _Claim, context: JobContext, exc: Exception, runs: int
@@ -665,7 +693,7 @@ class JobRunner(RunnerBase):
         retry_at, left = self._retry_at(job, context, exc)
         if retry_at is None:
             return self._fail(conn, claim, context, exc, runs)
-        _expect_one(conn.execute(*sql.retry(job["job_id"], retry_at)), "retry")
+        _expect_one(direct.execute(conn, *sql.retry(job["job_id"], retry_at)), "retry")
         log_event(
             logging.INFO,
             "retrying",
@@ -699,7 +727,8 @@ class JobRunner(RunnerBase):
         """Archive the job with its outcome and remove it from the queue, with its run records
         (also leftovers of runs recorded while crash accounting was on) unless the claim
         removes them when it finishes (``with_runs=False``)."""
-        conn.execute(
+        direct.execute(
+            conn,
             *sql.archive(
                 job,
                 status=status,
@@ -707,14 +736,33 @@ class JobRunner(RunnerBase):
                 finished_at=self.now(),
                 error=error,
                 upsert=self.dialect.archive_upsert,
-            )
+            ),
         )
         if with_runs and self.dialect.deletes_runs_with_job:
-            _expect_one(conn.execute(*sql.delete_job_and_runs(job["job_id"])), "delete")
+            _expect_one(direct.execute(conn, *sql.delete_job_and_runs(job["job_id"])), "delete")
             return
-        _expect_one(conn.execute(*sql.delete_job(job["job_id"])), "delete")
+        _expect_one(direct.execute(conn, *sql.delete_job(job["job_id"])), "delete")
         if with_runs:
-            conn.execute(*sql.end_runs(job["job_id"]))
+            direct.execute(conn, *sql.end_runs(job["job_id"]))
+
+
+class _LazySession:
+    """The job's Session, made on first need (a plain handler's run needs none)."""
+
+    __slots__ = ("_conn", "_session")
+
+    def __init__(self, conn: Connection, *, made: bool) -> None:
+        self._conn = conn
+        self._session = JobSession(conn) if made else None
+
+    def made(self) -> JobSession:
+        if self._session is None:
+            self._session = JobSession(self._conn)
+        return self._session
+
+    def close(self) -> None:
+        if self._session is not None:
+            _close_quietly(self._session)
 
 
 def _expect_one(result: Any, what: str) -> None:

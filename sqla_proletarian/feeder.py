@@ -32,9 +32,6 @@ from sqla_proletarian.logs import log_event
 FLUSH_DELAY = 0.005
 #: Jobs the completer archives in one transaction at most.
 FLUSH_JOBS = 100
-#: Seconds the poller of a drained queue waits while LISTEN wakes it (its safety poll):
-#: never past the queue's next due time (a scheduled job, an expiring lease).
-SAFETY_POLL = 10.0
 
 
 class Completer:
@@ -140,7 +137,7 @@ class Feeder:
 
     def next_due_in(self, connections: LeaseConnections) -> float | None:
         """Seconds until the queue's next job is due (None: none is queued)."""
-        due = self.runner.next_due(connections)
+        due = self.runner.next_due_on(connections)
         if due is None:
             return None
         if due.tzinfo is None:

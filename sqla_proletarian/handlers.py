@@ -31,15 +31,22 @@ class _Guard:
     sees ``exec_driver_sql``): while a handler runs there and has not opened the worker's
     savepoint yet, its first statement, however it reaches the connection, opens it."""
 
-    __slots__ = ("session",)
+    __slots__ = ("__weakref__", "session")
+
+    #: The worker's own listener: ``direct`` calls it itself instead of leaving the
+    #: statement to ``Connection.execute``.
+    worker_own = True
 
     def __init__(self) -> None:
         self.session: JobSession | None = None
 
-    def __call__(self, conn: Connection, *args: Any) -> None:
+    def __call__(
+        self, conn: Connection, cursor: Any, statement: str, parameters: Any, *args: Any
+    ) -> tuple[str, Any]:
         session = self.session
         if session is not None:
             session.open_savepoint()
+        return statement, parameters
 
 
 _LOCK = threading.Lock()
@@ -52,7 +59,7 @@ def _guard_of(conn: Connection) -> _Guard:
         guard = _GUARDS.get(conn)
         if guard is None:
             guard = _GUARDS[conn] = _Guard()
-            event.listen(conn, "before_cursor_execute", guard)
+            event.listen(conn, "before_cursor_execute", guard, retval=True)
     return guard
 
 
@@ -265,6 +272,10 @@ class JobHandlers:
 
     def __contains__(self, job_type: object) -> bool:
         return job_type in self._handlers
+
+    def functions(self) -> list[Callable[..., Any]]:
+        """Every registered function, the default's last (if there is one)."""
+        return [*self._handlers.values(), *([self._default] if self._default else [])]
 
     def __call__(self, *args: Any) -> Any:
         if len(args) == 2:

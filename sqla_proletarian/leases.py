@@ -410,20 +410,14 @@ class LeaseRunner(RunnerBase):
         could not be and their leases were given back (the jobs are due again now)."""
         return self._complete_together(runs)
 
-    def next_due(self, connections: LeaseConnections) -> datetime | None:
-        """When the queue's next job is due, a leased one's expiry included (None: none)."""
-        statement = sql.next_due(self.settings.queue, self.dialect.priority_scan)
-        conn = connections.conn
+    def next_due_on(self, connections: LeaseConnections) -> datetime | None:
+        """When the queue's next job is due, a leased one's expiry included (None: none),
+        read on the poller's connection (given back after on SQLite)."""
         try:
-            times = [at for at in conn.execute(*statement).scalars() if at is not None]
-            conn.rollback()
-        except BaseException:
-            rollback_quietly(conn)
-            raise
+            return self.next_due(connections.conn)
         finally:
             if self.dialect.claim_takes_write_lock:
                 connections.release()
-        return min(times, default=None)
 
     # --- the claim --------------------------------------------------------------------------
 
@@ -636,7 +630,13 @@ class LeaseRunner(RunnerBase):
                 return None, None
             log_event(logging.DEBUG, "job-finished", **fields)
             return "succeeded", None
-        log_event(logging.WARNING, "handle-job-exception", **fields, error=repr(error))
+        log_event(
+            logging.WARNING,
+            "handle-job-exception",
+            **fields,
+            error=repr(error),
+            traceback=describe(error),
+        )
         telemetry.job_error(error)
         session.abandon()
         return self._failed(run, session, context, error)

@@ -49,6 +49,7 @@ from typing import Any, Literal
 
 from sqlalchemy import Connection, Engine
 
+from sqla_proletarian import direct
 from sqla_proletarian import statements as sql
 from sqla_proletarian.dialects import Dialect, OwnerLock
 from sqla_proletarian.logs import log_event
@@ -136,6 +137,12 @@ def add_orphan(database: str, job_id: uuid.UUID, run_id: uuid.UUID) -> None:
     """Remember a record (of ``job_id``) to remove before the next claim on ``database``."""
     with _LOCK:
         _ORPHANS.setdefault(database, []).append((job_id, run_id))
+
+
+def has_orphans(database: str) -> bool:
+    """Whether records given up on ``database`` wait to be removed (their owner must live)."""
+    with _LOCK:
+        return bool(_ORPHANS.get(database))
 
 
 def take_orphans(database: str) -> list[tuple[uuid.UUID, uuid.UUID]]:
@@ -246,16 +253,19 @@ class OwnerKeeper:
                     log_event(logging.DEBUG, "run-owner-reconnect-error", error=repr(exc))
             return False
 
-    def start_checking(self) -> None:
+    def start_checking(self, needed: Callable[[], bool] = lambda: True) -> None:
         """Check the owner every ``KEEPER_INTERVAL`` from a thread of its own, until
-        ``close()`` (the asyncio worker checks from a task instead)."""
+        ``close()`` (the asyncio worker checks from a task instead), each time ``needed()``
+        says records may be under it: an owner with no record vouches for nothing, and
+        checking an idle worker's would cost a query a second."""
         if self._checker is not None:
             return
         stopped = self._closed = threading.Event()
 
         def check_until_closed() -> None:
             while not stopped.wait(KEEPER_INTERVAL):
-                self.check()
+                if needed():
+                    self.check()
 
         self._checker = threading.Thread(
             target=check_until_closed, name="sqla-proletarian-owner", daemon=True
@@ -367,7 +377,7 @@ class ClaimRecords:
             }
             for job_id, run_id in self.run_ids.items()
         ]
-        conn.execute(*sql.start_runs(rows, unnest=self.dialect.bulk_insert_unnest))
+        direct.execute(conn, *sql.start_runs(rows, unnest=self.dialect.bulk_insert_unnest))
 
     def _end_runs(self) -> sql.Statement:
         """The delete of the claim's records, by id."""

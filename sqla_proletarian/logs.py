@@ -9,10 +9,18 @@ from typing import Any
 #: ``job_id``, ``job_type``, ``queue``, ``attempt``, ...) as attributes.
 logger = logging.getLogger("sqla_proletarian")
 
+#: Fields of many lines, carried as record attributes only: the message stays one line.
+NOT_IN_MESSAGE = frozenset({"traceback"})
+
 
 def log_event(level: int, event: str, /, **fields: Any) -> None:
-    """Log ``event`` with ``fields``, both in the message and as record attributes."""
+    """Log ``event`` with ``fields`` as record attributes, and in the message but for
+    ``NOT_IN_MESSAGE``."""
     if not logger.isEnabledFor(level):
         return
-    detail = " ".join(f"{key}={value}" for key, value in fields.items() if value is not None)
+    detail = " ".join(
+        f"{key}={value}"
+        for key, value in fields.items()
+        if value is not None and key not in NOT_IN_MESSAGE
+    )
     logger.log(level, "%s %s", event, detail, extra={"event": event, **fields})

@@ -241,6 +241,19 @@ class Scheduler:
         finally:
             self._lock.release()
 
+    def next_look(self) -> float | None:
+        """Seconds until ``tick`` has an occurrence to enqueue (0: now, or a schedule's record
+        is still unread); None without schedules. An idle worker sleeps no longer."""
+        known = list(self._next.values())
+        if not known:
+            return None
+        if None in known:
+            return 0.0
+        now = check_aware("clock()", self._clock())
+        following = min(when for when in known if when is not None)
+        wait = max(0.0, (following - now).total_seconds())
+        return max(wait, self._next_look - time.monotonic())
+
     def _enqueue(
         self, conn: Connection, now: datetime, due: list[tuple[PeriodicJob, datetime]]
     ) -> None:

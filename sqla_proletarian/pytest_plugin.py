@@ -4,9 +4,11 @@ It only adds fixtures, which do nothing until a test asks for them:
 
 - ``proletarian_engine``: yours to define (in your ``conftest.py``), returning the Engine of
   your test database; the plugin's own version only fails, saying so.
-- ``proletarian_tables``: the library's tables on that engine for one test; it yields the
-  engine. Tables it had to create are dropped after the test; tables that were there
-  already (your migrations made them) are emptied instead.
+- ``proletarian_tables``: the library's tables on that engine for one test, empty; it yields
+  the engine. Tables it had to create are dropped after the test. Tables that were there
+  already (your migrations made them) must be empty: it refuses, deleting nothing, tables
+  that hold rows (a developer's own database, say), and afterwards deletes the rows the
+  test added to them.
 - ``proletarian_drain``: ``drain(handler, **worker_options) -> int`` bound to that engine
   (``sqla_proletarian.testing.drain``), with the tables in place.
 """
@@ -17,7 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, delete, inspect
+from sqlalchemy import Engine, Table, delete, func, inspect, select
 
 from sqla_proletarian.models import metadata
 from sqla_proletarian.testing import drain
@@ -38,9 +40,11 @@ def proletarian_engine() -> Engine:
 
 @pytest.fixture
 def proletarian_tables(proletarian_engine: Engine) -> Iterator[Engine]:
-    """The library's tables on ``proletarian_engine`` for this test; yields the engine.
+    """The library's tables on ``proletarian_engine`` for this test, empty; yields the engine.
 
-    Tables it creates are dropped afterwards; tables that existed already are emptied.
+    Tables it creates are dropped afterwards. Tables that existed already must hold no row
+    (else the test errors, and nothing is deleted); the rows the test added to them are
+    deleted afterwards.
     """
     engine = proletarian_engine
     if not isinstance(engine, Engine):
@@ -51,6 +55,7 @@ def proletarian_tables(proletarian_engine: Engine) -> Iterator[Engine]:
     tables = metadata.sorted_tables
     existing = set(inspect(engine).get_table_names())
     created = [table for table in tables if table.name not in existing]
+    _refuse_rows(engine, [table for table in tables if table not in created])
     metadata.create_all(engine, tables=created)
     try:
         yield engine
@@ -60,6 +65,27 @@ def proletarian_tables(proletarian_engine: Engine) -> Iterator[Engine]:
                 if table not in created:
                     conn.execute(delete(table))
         metadata.drop_all(engine, tables=created)
+
+
+def _refuse_rows(engine: Engine, tables: list[Table]) -> None:
+    """Fail the test, touching nothing, if any of ``tables`` holds a row: they are not the
+    test's own, and emptying them afterwards would delete someone's jobs."""
+    with engine.connect() as conn:
+        held = {
+            table.name: count
+            for table in tables
+            if (count := conn.execute(select(func.count()).select_from(table)).scalar_one())
+        }
+    if held:
+        rows = ", ".join(f"{name}: {count}" for name, count in held.items())
+        pytest.fail(
+            f"proletarian_tables: the queue tables of "
+            f"{engine.url.render_as_string(hide_password=True)} already hold rows ({rows}), "
+            "and the fixture never deletes rows a test did not create: point "
+            "proletarian_engine at a database of the tests' own (a fresh SQLite file, or an "
+            "empty test database), or empty those tables first if their rows are disposable",
+            pytrace=False,
+        )
 
 
 @pytest.fixture

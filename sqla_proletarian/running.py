@@ -41,8 +41,10 @@ RetryStrategyFn = Callable[[JobContext, Exception], RetryStrategy | None]
 FailedJobHandler = Callable[[JobContext, Exception], object]
 Failure = tuple[JobContext, Exception]
 
-#: Longest error text kept in the archive.
-MAX_ERROR_TEXT = 4000
+#: Longest error text kept in the archive, in UTF-8 bytes (MariaDB's TEXT holds 65,535).
+MAX_ERROR_BYTES = 16_384
+#: Longest first line of the error text (the summary a list shows), in characters.
+MAX_SUMMARY = 200
 
 #: The stop signal of the handler being called (the asyncio worker cancels a default-mode
 #: handler's task by it, as an advanced one's by ``job.cancel_requested``).
@@ -84,13 +86,42 @@ def attempt_of(job: dict[str, Any]) -> int:
 
 
 def describe(exc: BaseException) -> str:
-    """The archive's error text: the exception type, message and where it was raised."""
-    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-    frames = traceback.extract_tb(exc.__traceback__)
-    if frames:
-        last = frames[-1]
-        text += f"\n  at {last.filename}:{last.lineno} in {last.name}"
-    return text[:MAX_ERROR_TEXT]
+    """The archive's error text: the exception's type and message on the first line (what a
+    list shows), then its formatted traceback with chained causes, cut to MAX_ERROR_BYTES."""
+    summary = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
+    if text != summary:  # it was raised, or has a cause: the traceback follows the summary
+        first = summary.splitlines()[0]
+        if len(first) > MAX_SUMMARY:
+            first = first[:MAX_SUMMARY] + " [...]"
+        text = f"{first}\n{text}"
+    return cut_middle(text, MAX_ERROR_BYTES)
+
+
+def cut_middle(text: str, limit: int) -> str:
+    """``text`` if its UTF-8 form fits in ``limit`` bytes; otherwise its head and its tail
+    (whole lines where they can be) around a line that says how much was cut."""
+    data = text.encode()
+    if len(data) <= limit:
+        return text
+    half = (limit - _MARKER_BYTES) // 2
+    head, tail = data[:half], data[len(data) - half :]
+    # Whole lines, unless the nearest line end would drop more than half of a part.
+    end = head.rfind(b"\n")
+    if end >= half // 2:
+        head = head[: end + 1]
+    start = tail.find(b"\n")
+    if 0 <= start < half // 2:
+        tail = tail[start + 1 :]
+    cut = data[len(head) : len(data) - len(tail)]
+    marker = f"[... {len(cut):,} bytes ({cut.count(10):,} lines) cut here ...]\n"
+    # errors="ignore": a part that starts or ends inside a character drops its bytes.
+    parts = (head.decode(errors="ignore"), tail.decode(errors="ignore"))
+    return parts[0] + ("" if parts[0].endswith("\n") else "\n") + marker + parts[1]
+
+
+#: Room kept for ``cut_middle``'s marker line and a line end added to the head.
+_MARKER_BYTES = 80
 
 
 class RunnerBase:
@@ -128,6 +159,10 @@ class RunnerBase:
         self._batch_size = 1 if self.dialect.claim_takes_write_lock else settings.batch_size
         self._set_up()
 
+    #: Called in the claiming thread when a claim got jobs, before their handlers run (the
+    #: threaded worker's idle threads then poll too: more jobs may be due).
+    on_claim: Callable[[], None] | None = None
+
     def _set_up(self) -> None:
         """The mode's own state (a subclass's)."""
 
@@ -138,6 +173,18 @@ class RunnerBase:
         """Whether a job of the queue is due, read without taking the write lock."""
         due = sql.due_job(self.settings.queue, self.now(), self.dialect.priority_scan)
         return read_alone(conn, due) is not None
+
+    def next_due(self, conn: Connection) -> datetime | None:
+        """When the queue's earliest job is due (None: no job, or the queue is paused), read
+        on the claim's connection without locking anything: an idle worker sleeps until then."""
+        statement = sql.next_due(self.settings.queue, self.dialect.priority_scan)
+        try:
+            times = [row[0] for row in conn.execute(*statement)]
+            conn.rollback()
+        except BaseException:
+            rollback_quietly(conn)
+            raise
+        return min(times, default=None)
 
     def _commits(self, conn: Connection) -> int:
         """SQLite's count of other connections' commits to the file, as seen from ``conn``."""
@@ -175,28 +222,24 @@ class RunnerBase:
         )
 
     def _call_handler(self, context: JobContext) -> None:
+        if self.settings.handler_mode != "advanced":
+            self._call_plain(context.job_type, context.payload, context.cancel_requested)
+            return
         running = RUNNING_SIGNAL.set(context.cancel_requested)
         try:
-            if self.settings.handler_mode == "advanced":
-                result = self.settings.handler(context)
-            else:
-                result = self.settings.handler(context.job_type, context.payload)
+            result = self.settings.handler(context)
         finally:
             RUNNING_SIGNAL.reset(running)
-        if inspect.isawaitable(result):
-            if inspect.iscoroutine(result):
-                result.close()
-            raise ProletarianError(
-                "the handler returned an awaitable, so its work never ran: handlers must be "
-                "plain functions (wrap async code with asyncio.run)"
-            )
-        if inspect.isgenerator(result):
-            result.close()
-        if inspect.isgenerator(result) or inspect.isasyncgen(result):
-            raise ProletarianError(
-                "the handler returned a generator, so its body never ran: handlers must be "
-                "plain functions, not generators"
-            )
+        _check_result(result)
+
+    def _call_plain(self, job_type: str, payload: Any, signal: threading.Event) -> None:
+        """Call a handler of ``(job_type, payload)``."""
+        running = RUNNING_SIGNAL.set(signal)
+        try:
+            result = self.settings.handler(job_type, payload)
+        finally:
+            RUNNING_SIGNAL.reset(running)
+        _check_result(result)
 
     # --- the outcome ----------------------------------------------------------------------
 
@@ -289,3 +332,23 @@ def rollback_quietly(conn: Connection) -> None:
             conn.rollback()
     except Exception as exc:
         log_event(logging.DEBUG, "rollback-error", error=repr(exc))
+
+
+def _check_result(result: object) -> None:
+    """A handler that returned an awaitable or a generator never ran its body: say so."""
+    if inspect.isawaitable(result):
+        if inspect.iscoroutine(result):
+            result.close()
+        raise ProletarianError(
+            "the handler returned an awaitable, so its work never ran: this worker runs "
+            "plain functions; run async handlers in the asyncio worker "
+            "(create_async_queue_worker, which `sqla-proletarian worker` picks for an "
+            "`async def` handler), or wrap async code with asyncio.run"
+        )
+    if inspect.isgenerator(result):
+        result.close()
+    if inspect.isgenerator(result) or inspect.isasyncgen(result):
+        raise ProletarianError(
+            "the handler returned a generator, so its body never ran: handlers must be "
+            "plain functions, not generators"
+        )

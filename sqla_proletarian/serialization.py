@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import uuid
+from collections.abc import Callable
 from datetime import date, datetime
 from decimal import Decimal
 from typing import Any, Protocol
@@ -32,6 +33,72 @@ def _where(path: Path) -> str:
     return "payload" + "".join(f"[{step!r}]" for step in path)
 
 
+def _json_writer() -> Callable[[Any], str]:
+    """The JSON text of a value: CPython's C encoder made once (``JSONEncoder.encode`` makes
+    it anew for every value, most of the time of a small payload), where it gives what
+    ``encode`` gives; else ``encode``."""
+    encoder = json.JSONEncoder(ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:
+        return encoder.encode
+    try:
+        c_encode = make(
+            None,
+            encoder.default,
+            json.encoder.encode_basestring_ascii,
+            None,
+            ":",
+            ",",
+            False,
+            False,
+            False,
+        )
+    except TypeError:
+        return encoder.encode
+
+    def write(value: Any) -> str:
+        return "".join(c_encode(value, 0))
+
+    sample = {"a": [1, 2.5, "\u00e9\n", None, True, {"b": -0.0}], "c": "x"}
+    return write if write(sample) == encoder.encode(sample) else encoder.encode
+
+
+#: The JSON text of a payload (that needs no tags, or whose tags are in place).
+_to_json = _json_writer()
+
+#: Scalars that JSON keeps as they are (exactly these types: subclasses take the walk).
+_PLAIN_SCALARS = frozenset({type(None), bool, int, str})
+#: Deeper payloads take the walk (which also finds cycles).
+_PLAIN_DEPTH = 32
+
+
+def _plain(value: Any, depth: int) -> bool:
+    """Whether ``value`` is JSON as it stands (the usual payload: dicts with string keys,
+    lists, strings, numbers), so that the walk that tags values and names bad ones can be
+    skipped; False means "walk it", never "refused"."""
+    kind = type(value)
+    if kind in _PLAIN_SCALARS:
+        return True
+    if kind is float:
+        return math.isfinite(value)
+    if depth >= _PLAIN_DEPTH:
+        return False
+    scalars = _PLAIN_SCALARS
+    if kind is dict:
+        for key, item in value.items():
+            if type(key) is not str or key == TAG:
+                return False
+            if type(item) not in scalars and not _plain(item, depth + 1):
+                return False
+        return True
+    if kind is list or kind is tuple:
+        for item in value:
+            if type(item) not in scalars and not _plain(item, depth + 1):
+                return False
+        return True
+    return False
+
+
 def _tagged(kind: str, value: str) -> dict[str, str]:
     return {TAG: kind, "value": value}
 
@@ -46,9 +113,13 @@ class JsonSerializer:
     """
 
     def dumps(self, payload: Any) -> str:
+        if _plain(payload, 0):
+            try:
+                return _to_json(payload)
+            except ValueError:
+                pass  # a very long int: the walk below says what to do
         try:
-            encoded = self._encode(payload, (), set())
-            return json.dumps(encoded, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+            return _to_json(self._encode(payload, (), set()))
         except RecursionError:
             raise PayloadSerializationError(
                 "payload is nested too deeply to store as JSON; flatten it", None

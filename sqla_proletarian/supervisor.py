@@ -41,10 +41,11 @@ from sqla_proletarian import statements as sql
 from sqla_proletarian.dialects import dialect_of
 from sqla_proletarian.errors import is_transient
 from sqla_proletarian.logs import log_event
-from sqla_proletarian.worker import QueueWorker, create_queue_worker
+from sqla_proletarian.worker import QueueWorker, WorkerOptions, create_queue_worker
 
 __all__ = [
     "EXIT_FORCED",
+    "EXIT_JOBS_FAILED",
     "EXIT_OK",
     "EXIT_UNCLEAN",
     "Supervisor",
@@ -62,6 +63,8 @@ EXIT_OK = 0
 #: Exit status when a worker process did not stop gracefully (it died during the stop),
 #: or, with --burst, ended on an error.
 EXIT_UNCLEAN = 1
+#: Exit status of a burst whose every job ended, some failed for good (given up on).
+EXIT_JOBS_FAILED = 3
 #: A second SIGTERM/SIGINT stops every process at once: the supervisor exits with
 #: 128 + the signal's number (130 for SIGINT, 143 for SIGTERM).
 EXIT_FORCED = 128
@@ -120,21 +123,21 @@ def _run_until_drained(engine: Engine, worker: QueueWorker) -> None:
     """Wait while the worker runs and a job of its queue is due."""
     options = worker.options
     interval = max(options.polling_interval, BURST_CHECK_INTERVAL)
-    while worker.running:
-        try:
-            with engine.connect() as conn:
-                due_job = sql.due_job(
-                    options.queue, options.clock(), dialect_of(conn).priority_scan
-                )
-                row = conn.execute(*due_job).first()
-            due = row is not None
-        except Exception as exc:
-            if not is_transient(exc):
-                raise
-            due = True  # the database is away: the worker waits for it too
-        if not due:
-            return
+    while worker.running and any_due(engine, options):
         worker.wait(interval)
+
+
+def any_due(engine: Engine, options: WorkerOptions) -> bool:
+    """Whether a job of the worker's queue is due (running jobs count): what ``burst`` waits
+    for. True while the database is away: the worker waits for it too."""
+    try:
+        with engine.connect() as conn:
+            due_job = sql.due_job(options.queue, options.clock(), dialect_of(conn).priority_scan)
+            return conn.execute(*due_job).first() is not None
+    except Exception as exc:
+        if not is_transient(exc):
+            raise
+        return True
 
 
 def report_to_fd(fd: int) -> Report:
@@ -195,11 +198,11 @@ class Supervisor:
     has drained the queue; ``run()`` returns the exit status.
 
     The first process starts alone: if it exits before it has started its worker (a bad
-    handler, an unreachable database), the supervisor exits with its status at once. A
-    process that dies unexpectedly afterwards is restarted after a pause that doubles from
-    RESTART_BACKOFF_MIN up to RESTART_BACKOFF_MAX (logged as ``worker-process-exited``);
-    with ``burst``, only one killed by a signal (one that exits on an error is not, so the
-    burst ends, with EXIT_UNCLEAN).
+    handler, an unreachable database), the supervisor exits with its status at once, with
+    ``burst`` too. A process that dies unexpectedly afterwards is restarted after a pause
+    that doubles from RESTART_BACKOFF_MIN up to RESTART_BACKOFF_MAX (logged as
+    ``worker-process-exited``); with ``burst``, only one killed by a signal (one that exits
+    on an error is not, so the burst ends, with EXIT_UNCLEAN).
     The summary counts what every process reported when it stopped; jobs finished by a
     process that was killed are not in it (they are in the archive).
     """
@@ -243,7 +246,9 @@ class Supervisor:
         print(self.summary_text(), file=sys.stderr, flush=True)
         if self._forced is not None:
             return EXIT_FORCED + self._forced
-        return EXIT_UNCLEAN if self._unclean else EXIT_OK
+        if self._unclean:
+            return EXIT_UNCLEAN
+        return EXIT_JOBS_FAILED if self.burst and self._totals["failed"] else EXIT_OK
 
     def summary_text(self) -> str:
         counts = self._totals
@@ -322,7 +327,11 @@ class Supervisor:
             if process.summary is None:
                 self._unclean += 1
             return None
-        if self.burst and code == 0 and process.summary is not None:
+        if not self._ever_started:
+            # The first process could not start (a bad handler, the database away or its
+            # tables missing): the others would fail alike, and they have not been started.
+            return code if code > 0 else EXIT_UNCLEAN
+        if self.burst and code in (EXIT_OK, EXIT_JOBS_FAILED) and process.summary is not None:
             slot.done = True
             return None
         if self.burst and code > 0:
@@ -331,8 +340,6 @@ class Supervisor:
             slot.done = True
             self._unclean += 1
             return None
-        if not self._ever_started:
-            return code if code > 0 else EXIT_UNCLEAN
         ran = time.monotonic() - process.started_at
         slot.failures = 1 if ran >= HEALTHY_RUN else slot.failures + 1
         pause = min(RESTART_BACKOFF_MAX, RESTART_BACKOFF_MIN * 2 ** (slot.failures - 1))

@@ -3,7 +3,8 @@
 Active when ``opentelemetry-api`` is importable (the ``otel`` extra); otherwise nothing is
 imported, every call returns at its first check, and jobs carry no trace context. The
 library only uses the API: spans and metrics go wherever the application's SDK sends them
-(with no SDK configured, the API's no-op tracer and meter record nothing).
+(with no SDK configured, the API's no-op tracer and meter record nothing, and a run whose
+job carries no stored context skips them).
 
 - Enqueue records a ``send <queue>`` span (kind PRODUCER) where the job is made and stores its
   context (W3C ``traceparent``/``tracestate``, and any baggage, from the global propagator) in
@@ -31,8 +32,8 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 try:
+    from opentelemetry import baggage, metrics, propagate, trace
     from opentelemetry import context as otel_context
-    from opentelemetry import metrics, propagate, trace
 except ImportError:  # the otel extra is not installed: every function below returns at once
     ENABLED = False
 else:
@@ -110,8 +111,9 @@ def enqueue_context(
 ) -> str | None:
     """Record the ``send <queue>`` span of one job (``job_id``) or of a batch of ``batch``
     jobs, and return its context as the JSON the job rows keep; None without OpenTelemetry
-    or when there is nothing to propagate (no SDK configured)."""
-    if not ENABLED:
+    or when there is nothing to propagate (no SDK configured and no context from outside
+    current: then no span is started at all)."""
+    if not ENABLED or not (_sdk_configured() or _context_from_outside()):
         return None
     attributes: dict[str, Any] = {
         "messaging.system": SYSTEM,
@@ -243,9 +245,24 @@ class _TracedRun(Run):
 def run_span(job: Mapping[str, Any], claimed_at: datetime | None) -> Run:
     """The span and metrics of a run of ``job`` (a claimed row), claimed at ``claimed_at``
     (the worker's clock); its handler runs inside the ``with`` block."""
-    if not ENABLED:
+    if not ENABLED or (job.get("trace_context") is None and not _sdk_configured()):
         return _NO_RUN
     return _TracedRun(job, claimed_at)
+
+
+def _context_from_outside() -> bool:
+    """Whether a span context or baggage is current (one that reached the process from
+    outside, which the no-op tracer passes on)."""
+    return trace.get_current_span().get_span_context().is_valid or bool(baggage.get_all())
+
+
+def _sdk_configured() -> bool:
+    """Whether the application has set a tracer or meter provider: until it does, the API's
+    spans and metrics record nothing, so a run with no stored context to carry needs none.
+    (Any provider but the API's own placeholders counts.)"""
+    return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider) or (
+        type(metrics.get_meter_provider()).__name__ != "_ProxyMeterProvider"
+    )
 
 
 def job_error(error: BaseException) -> None:

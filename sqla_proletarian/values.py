@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -38,6 +38,21 @@ def utc_now() -> datetime:
 def uuid4() -> uuid.UUID:
     """The default job id strategy: a random UUID."""
     return uuid.uuid4()
+
+
+#: uuid4()'s version and variant bits: cleared, then set.
+_UUID4_CLEAR = ~((0xF << 76) | (0x3 << 62))
+_UUID4_SET = (0x4 << 76) | (0x2 << 62)
+
+
+def _uuid4s() -> Iterator[uuid.UUID]:
+    """Random UUIDs as ``uuid4()`` makes them, their random bytes read a block at a time (a
+    batch's ids without a system call each)."""
+    while True:
+        block = os.urandom(16 * 256)
+        for start in range(0, len(block), 16):
+            value = int.from_bytes(block[start : start + 16], "big")
+            yield uuid.UUID(int=(value & _UUID4_CLEAR) | _UUID4_SET)
 
 
 def uuid7() -> uuid.UUID:
@@ -200,7 +215,7 @@ def build_many_job_values(
     now = check_aware("clock()", (clock or utc_now)())
     due = schedule(now, process_at, process_in)
     dumps = (serializer or DEFAULT_SERIALIZER).dumps
-    make_id = job_id_strategy or uuid4
+    make_id = _uuid4s().__next__ if job_id_strategy in (None, uuid4) else job_id_strategy
     checked: set[str] = set()
     rows = []
     for index, job in enumerate(jobs):

@@ -115,8 +115,9 @@ class Listener:
     """A thread that LISTENs on PostgreSQL and wakes a worker when its queue gets a job.
 
     Works with psycopg 3 and psycopg2; with other drivers it does not start (polling goes on).
-    Reconnects after errors, backing off up to 5 s; a job committed while it was not
-    listening is found by the next poll.
+    Reconnects after errors, backing off up to 5 s; ``listening`` says whether it is
+    listening now, and each change wakes the worker, whose poll then finds a job committed
+    while it was not.
     """
 
     def __init__(self, engine: Engine, queue: str, wake: Callable[[], None]) -> None:
@@ -124,6 +125,8 @@ class Listener:
         self.queue = queue
         self.wake = wake
         self._stop = threading.Event()
+        #: True while LISTEN is in effect: a commit then wakes the worker (see ``_listening``).
+        self.listening = False
         self._thread = threading.Thread(target=self._run, name=f"{queue}-listener", daemon=True)
 
     @staticmethod
@@ -161,6 +164,7 @@ class Listener:
             if self.engine.dialect.driver == "psycopg":
                 driver.autocommit = True
                 driver.execute(f"LISTEN {CHANNEL}")
+                self._listening(True)
                 while not self._stop.is_set():
                     for note in driver.notifies(timeout=0.5, stop_after=1):
                         if note.payload == self.queue:
@@ -168,6 +172,7 @@ class Listener:
             else:
                 driver.autocommit = True
                 driver.cursor().execute(f"LISTEN {CHANNEL}")
+                self._listening(True)
                 while not self._stop.is_set():
                     if select.select([driver], [], [], 0.5)[0]:
                         driver.poll()
@@ -175,4 +180,12 @@ class Listener:
                         if any(note.payload == self.queue for note in notes):
                             self.wake()
         finally:
+            self._listening(False)
             driver.close()
+
+    def _listening(self, listening: bool) -> None:
+        """Note whether LISTEN is in effect, waking the worker at each change: it polls once
+        for what was committed while nobody listened, and paces its polls to match."""
+        if listening != self.listening:
+            self.listening = listening
+            self.wake()

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Literal, NoReturn
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 from sqlalchemy.pool import QueuePool
 
 from sqla_proletarian import ledger, wakeups
@@ -28,18 +28,31 @@ from sqla_proletarian.errors import (
     polling_error_hint,
     transient_hint,
 )
-from sqla_proletarian.feeder import SAFETY_POLL, Feeder
+from sqla_proletarian.feeder import Feeder
 from sqla_proletarian.leases import LeaseConnections, LeaseRunner, check_lease_settings, new_runner
 from sqla_proletarian.logs import log_event
 from sqla_proletarian.models import DEFAULT_QUEUE
 from sqla_proletarian.periodic import PeriodicJob, Scheduler, check_periodic_jobs
-from sqla_proletarian.running import FailedJobHandler, Outcome, RetryStrategyFn, RunSettings
+from sqla_proletarian.running import (
+    FailedJobHandler,
+    Outcome,
+    RetryStrategyFn,
+    RunnerBase,
+    RunSettings,
+)
 from sqla_proletarian.serialization import DEFAULT_SERIALIZER, Serializer
 from sqla_proletarian.values import Clock, check_name, utc_now
 
 DEFAULT_WORKER_THREADS = 1
 #: Seconds to wait before polling again once the queue is drained.
 DEFAULT_POLLING_INTERVAL = 0.1
+#: Seconds an idle worker waits between polls while LISTEN/NOTIFY wakes it (PostgreSQL,
+#: transaction mode), unless a job is due sooner: a committed job wakes it at once, and a job
+#: scheduled for later (a retry, an expired lease) wakes it when due, so this is only a safety
+#: net for what no notification announces. Never shorter than ``polling_interval``.
+LISTENING_POLL_INTERVAL = 10.0
+#: Seconds an idle worker sleeps past a job's due time, so that its poll finds it due.
+DUE_MARGIN = 0.002
 #: Seconds stop() waits for running jobs to finish.
 DEFAULT_AWAIT_TERMINATION_TIMEOUT = 10.0
 #: Runs of one job that may end uncleanly (worker died) before it is archived as failed.
@@ -175,6 +188,34 @@ class WorkerOptions:
         )
 
 
+def polling_pause(burst: int, polling_interval: float) -> tuple[int, float]:
+    """The pause of an idle poller, and the short waits left after it: after an in-process
+    wake-up (``burst`` waits left) the next of ``wakeups.BURST``, else the polling interval."""
+    if burst:
+        return burst - 1, wakeups.BURST[len(wakeups.BURST) - burst]
+    return 0, polling_interval
+
+
+def listening_pause(
+    options: WorkerOptions, scheduler: Scheduler | None, runner: RunnerBase, conn: Connection
+) -> float:
+    """The pause of an idle watcher that LISTEN/NOTIFY wakes for every committed job: until
+    the queue's next job (read on ``conn``) or periodic occurrence is due, at most
+    ``LISTENING_POLL_INTERVAL``, at least the polling interval once a job is due."""
+    interval = options.polling_interval
+    pause = max(LISTENING_POLL_INTERVAL, interval)
+    if scheduler is not None:
+        look = scheduler.next_look()
+        if look is not None:
+            pause = min(pause, max(look, interval))
+    due = runner.next_due(conn)
+    if due is not None:
+        wait = (due - runner.now()).total_seconds()
+        # Due already (running in another transaction, or held): poll as usual.
+        pause = min(pause, wait + DUE_MARGIN if wait > 0 else interval)
+    return float(pause)
+
+
 def scheduler_for(dialect: Dialect, options: WorkerOptions) -> Scheduler | None:
     """What enqueues a worker's periodic jobs, if it has any."""
     if not options.periodic_jobs:
@@ -232,6 +273,15 @@ class QueueWorker:
         self._wakeup = threading.Event()
         #: Short waits left after an in-process wake-up (the enqueue may not be visible yet).
         self._burst = 0
+        #: Transaction mode: one idle thread at a time (the watcher) polls; the others wait on
+        #: ``_idle_threads`` until ``_wakes`` (a count of wake-ups) moves on. Lease mode: each
+        #: idle thread polls on its own.
+        self._shared_idle = options.lease_seconds is None
+        self._idle_threads = threading.Condition()
+        self._wakes = 0
+        self._watcher: threading.Thread | None = None
+        if self._shared_idle:
+            self._runner.on_claim = self._end_watch
         self._engine = engine
         self._listener: wakeups.Listener | None = None
         self._stopped = threading.Event()
@@ -295,7 +345,7 @@ class QueueWorker:
         """
         # Before anything else: from here on no thread starts a job.
         self._stopping.set()
-        self._wakeup.set()
+        self._wake_all()
         current = threading.current_thread()
         if current in self._threads:
             self._stop_in_background()
@@ -326,14 +376,14 @@ class QueueWorker:
 
     def wake(self) -> None:
         """Make idle threads poll now instead of after the polling interval."""
-        self._wakeup.set()
+        self._wake_all()
 
     def wake_for_enqueue(self, committing: bool) -> None:
         """A job of this worker's queue was enqueued in this process and its transaction is
         committing: poll now, and again a few times shortly after, until the commit shows."""
         if committing:
             self._burst = len(wakeups.BURST)
-        self._wakeup.set()
+        self._wake_all()
 
     @property
     def running(self) -> bool:
@@ -370,7 +420,7 @@ class QueueWorker:
     def _stop_in_background(self) -> None:
         """Have a thread of its own stop the worker, unless a stop is under way already."""
         self._stopping.set()
-        self._wakeup.set()
+        self._wake_all()
         with self._state_lock:
             if self._stopper is not None:
                 return
@@ -461,12 +511,14 @@ class QueueWorker:
         connections: Any = None
         try:
             while not self._stopping.is_set():
+                wakes = self._wakes  # before the poll: a wake-up during it is not missed
                 try:
                     if connections is None:
                         connections = self._runner.open_connections()
                     if self._scheduler is not None:
                         self._scheduler.tick(connections.conn)
                     ran = self._runner.process_one(connections)
+                    pause = None if ran else self._idle_pause(connections)
                     backoff = 0.0
                 except Exception as exc:
                     if connections is not None:
@@ -479,25 +531,67 @@ class QueueWorker:
                     if self._polling_error(exc):
                         self._stop_itself(exc)
                         return
-                    self._idle()
+                    self._idle(wakes, self._own_pause())
                     continue
                 if not ran:
-                    self._idle()
+                    self._idle(wakes, pause)
         finally:
+            self._end_watch()
             if connections is not None:
                 connections.close()
 
-    def _idle(self) -> None:
-        """Pause after the queue is drained; wake() or stop() ends the pause early."""
-        burst = self._burst
-        if burst:
-            self._burst = burst - 1
-            pause = wakeups.BURST[len(wakeups.BURST) - burst]
-        else:
-            pause = self.options.polling_interval
-        self._wakeup.wait(pause)
-        if not self._stopping.is_set():
-            self._wakeup.clear()
+    def _own_pause(self) -> float:
+        """The pause of a thread that polls on its own (see ``polling_pause``)."""
+        self._burst, pause = polling_pause(self._burst, self.options.polling_interval)
+        return pause
+
+    def _idle_pause(self, connections: Any) -> float | None:
+        """After an empty poll: how long this thread waits before polling again, or None to
+        wait for a wake-up while another idle thread, the watcher, polls for all of them."""
+        if not self._shared_idle:
+            return self._own_pause()
+        with self._idle_threads:
+            if self._watcher is None:
+                self._watcher = threading.current_thread()
+            elif self._watcher is not threading.current_thread():
+                return None
+        listener = self._listener
+        if self._burst or listener is None or not listener.listening:
+            return self._own_pause()
+        return listening_pause(self.options, self._scheduler, self._runner, connections.conn)
+
+    def _idle(self, wakes: int, pause: float | None) -> None:
+        """Wait after an empty poll, for ``pause`` seconds (None: no limit); a wake-up since
+        the poll began (``wakes`` moved on), or stop(), ends the wait early."""
+        if not self._shared_idle:
+            assert pause is not None
+            self._wakeup.wait(pause)
+            if not self._stopping.is_set():
+                self._wakeup.clear()
+            return
+        deadline = None if pause is None else time.monotonic() + pause
+        with self._idle_threads:
+            while self._wakes == wakes and not self._stopping.is_set():
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return
+                self._idle_threads.wait(remaining)
+
+    def _wake_all(self) -> None:
+        """End every idle thread's wait: each polls once."""
+        with self._idle_threads:
+            self._wakes += 1
+            self._idle_threads.notify_all()
+        self._wakeup.set()
+
+    def _end_watch(self) -> None:
+        """The calling thread claimed jobs or ends: if it was the watcher, every idle thread
+        polls (more jobs may be due), and the first to find the queue empty watches next."""
+        with self._idle_threads:
+            if self._watcher is threading.current_thread():
+                self._watcher = None
+                self._wakes += 1
+                self._idle_threads.notify_all()
 
     # --- lease mode: one poller feeds the threads -----------------------------------------
 
@@ -532,7 +626,8 @@ class QueueWorker:
         connections = feeder.runner.open_connections()
         try:
             while not self._stopping.is_set():
-                pause, claimed = SAFETY_POLL, False  # a thread that becomes free wakes it
+                # A thread that becomes free wakes it.
+                pause, claimed = LISTENING_POLL_INTERVAL, False
                 try:
                     if feeder.room():
                         if self._scheduler is not None:
@@ -564,17 +659,19 @@ class QueueWorker:
 
     def _drained_pause(self, feeder: Feeder, connections: LeaseConnections) -> float:
         """How long the poller of a drained queue waits: a few short waits after an
-        in-process enqueue; else SAFETY_POLL with LISTEN, polling_interval without; never
-        past the queue's next due time (a scheduled job, an expiring lease)."""
-        burst = self._burst
-        if burst:
-            self._burst = burst - 1
-            return wakeups.BURST[len(wakeups.BURST) - burst]
-        pause = SAFETY_POLL if self._listener is not None else self.options.polling_interval
+        in-process enqueue; else as a listening watcher (listening_pause) with LISTEN, the
+        polling interval without; never past the queue's next due time (a scheduled job,
+        an expiring lease)."""
+        interval = self.options.polling_interval
+        if self._burst:
+            self._burst, pause = polling_pause(self._burst, interval)
+            return pause
+        if self._listener is not None:
+            return listening_pause(self.options, self._scheduler, feeder.runner, connections.conn)
         due_in = feeder.next_due_in(connections)
         if due_in is None:
-            return pause
-        return min(pause, due_in if due_in > 0 else self.options.polling_interval)
+            return interval
+        return min(interval, due_in + DUE_MARGIN if due_in > 0 else interval)
 
     def _polling_error(self, exc: Exception) -> bool:
         """Hand a non-transient polling error to on_polling_error; True means stop."""
@@ -756,7 +853,9 @@ def create_queue_worker(engine: Engine, handler: Callable[..., Any], **options: 
     """A QueueWorker for ``engine`` that runs ``handler``; call ``.start()`` to begin.
 
     Options: ``queue`` ("default"), ``worker_threads`` (1), ``polling_interval`` (0.1 s; a
-    positive number, as 0 would poll without pause), ``retry_strategy``
+    positive number, as 0 would poll without pause; one idle thread polls for all of them,
+    and while LISTEN wakes the worker it polls when the next job is due, or after
+    ``LISTENING_POLL_INTERVAL``), ``retry_strategy``
     (``(job, exc) -> RetryStrategy | None``; default no retries),
     ``failed_job_handler`` (``(job, exc)``), ``on_polling_error`` (``(exc) -> bool``, True
     stops; default stops), ``handler_mode`` ("default": ``handler(job_type, payload)``;

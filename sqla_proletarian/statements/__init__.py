@@ -24,7 +24,14 @@ from sqla_proletarian.statements.base import (
     RUN,
     Statement,
 )
-from sqla_proletarian.statements.claim import due_run_orders, poll, poll_first, reclaim, relock
+from sqla_proletarian.statements.claim import (
+    due_run_orders,
+    next_due,
+    poll,
+    poll_first,
+    reclaim,
+    relock,
+)
 from sqla_proletarian.statements.dashboard import (
     archived_job,
     archived_jobs,
@@ -76,7 +83,6 @@ from sqla_proletarian.statements.leases import (
     lease,
     leases_held,
     lock_leases,
-    next_due,
     release_leases,
     renew_leases,
     retry_lease,

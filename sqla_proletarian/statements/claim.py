@@ -154,6 +154,22 @@ def due_run_orders(queue: str, now: datetime, scan: PriorityScan) -> Statement:
     return _DUE_RUN_ORDERS[scan], {"queue": queue, "now": now}
 
 
+_NEXT_DUE = {
+    "recursive": select(_EARLIEST).where(_RUN_ORDERS.c.run_order.is_not(None)),
+    # A loose index scan, as in ``_DUE_RUN_ORDERS``: per priority, its first index entry.
+    "group_by": select(func.min(JOB.c.process_at))
+    .where(JOB.c.queue == bindparam("queue"), ~_PAUSED)
+    .group_by(JOB.c.queue, JOB.c.run_order),
+}
+
+
+def next_due(queue: str, scan: PriorityScan) -> Statement:
+    """Each priority's earliest ``process_at`` (the first column) in a queue, unless it is
+    paused: the first entry of each priority's range of the poll index, whether due or
+    scheduled for later, so an idle worker can sleep until then; a plain read."""
+    return _NEXT_DUE[scan], {"queue": queue}
+
+
 #: Inline: ``seq`` comes from the server's default, with no ``nextval()`` round trip first
 #: and nothing read back (an enqueue-only role needs no SELECT).
 _RELOCK = (

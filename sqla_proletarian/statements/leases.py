@@ -18,7 +18,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.sql.elements import BindParameter
 
-from sqla_proletarian.dialects import ArchiveUpsert, PriorityScan
+from sqla_proletarian.dialects import ArchiveUpsert
 from sqla_proletarian.statements.base import (
     _JOB_BY_ID,
     ARCHIVE,
@@ -27,7 +27,6 @@ from sqla_proletarian.statements.base import (
     Statement,
     _delete_by,
 )
-from sqla_proletarian.statements.claim import _EARLIEST, _PAUSED, _RUN_ORDERS
 from sqla_proletarian.statements.finish import _EXPIRED_LEASE, _NO_LEASE, _upserted
 
 _TOKEN = bindparam("token", type_=Uuid())
@@ -210,19 +209,3 @@ def expire_lease(job_id: uuid.UUID, token: uuid.UUID, now: datetime) -> Statemen
     """End a lease now with its token kept, so that the next claim counts an unclean end
     (a run whose session was lost, or that ended its worker)."""
     return _EXPIRE, {"id": job_id, "token": token, "now": now}
-
-
-_NEXT_DUE = {
-    "recursive": select(func.min(_EARLIEST)).where(_RUN_ORDERS.c.run_order.is_not(None)),
-    # Per priority, its first entry of the poll index (a loose index scan).
-    "group_by": select(func.min(JOB.c.process_at))
-    .where(JOB.c.queue == bindparam("queue"), ~_PAUSED)
-    .group_by(JOB.c.queue, JOB.c.run_order),
-}
-
-
-def next_due(queue: str, scan: PriorityScan) -> Statement:
-    """When the queue's next job is due, running or not (a lease's expiry, a scheduled
-    job's time): the earliest ``process_at`` of each priority, one probe of the poll index
-    each, however many jobs wait; a plain read, none when the queue is paused."""
-    return _NEXT_DUE[scan], {"queue": queue}

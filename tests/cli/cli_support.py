@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -61,6 +62,10 @@ def create_handlers():
 """
 
 
+#: The package under test, for processes started with an environment of their own.
+PACKAGE_ENV = {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}
+
+
 def url_of(database: Database) -> str:
     return database.url.render_as_string(hide_password=False)
 
@@ -105,6 +110,33 @@ def events(directory: Path) -> list[tuple[str, int, uuid.UUID]]:
         what, pid, job_id = line.split()
         noted.append((what, int(pid), uuid.UUID(job_id)))
     return noted
+
+
+def run_until_sigterm(args: list[str], cwd: Path, env: dict[str, str]) -> tuple[int, str]:
+    """Run the console script until its first job starts (in ``events.log``), then send it
+    SIGTERM: its exit status and standard error."""
+    process = subprocess.Popen([CLI, *args], cwd=cwd, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: events(cwd), "the first job to start")
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    return process.returncode, stderr
+
+
+def assert_finished_only_the_first(
+    status: int, stderr: str, directory: Path, first: uuid.UUID
+) -> None:
+    """After ``run_until_sigterm``: the process ended by SIGTERM after its summary, and the
+    running job ``first`` finished while no other started."""
+    assert status == -signal.SIGTERM, stderr
+    assert "proletarian[default] stopped: 1 succeeded, 0 retried, 0 failed" in stderr
+    assert [(what, job_id) for what, _, job_id in events(directory)] == [
+        ("start", first),
+        ("end", first),
+    ]
 
 
 def wait_until(predicate: Callable[[], Any], what: str, timeout: float = 30) -> Any:

@@ -5,7 +5,6 @@ and bad input gets one line on standard error and a non-zero status, never a tra
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import uuid
 from pathlib import Path
@@ -13,14 +12,15 @@ from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
 from cli_support import (
-    CLI,
+    PACKAGE_ENV,
     archived,
+    assert_finished_only_the_first,
     assert_one_line_error,
     cli,
     events,
     rows,
+    run_until_sigterm,
     url_of,
-    wait_until,
     write_tasks,
 )
 
@@ -61,7 +61,7 @@ def test_enqueue_status_worker_failed_retry_failed_and_prune_work_a_queue_end_to
         *("--threads", "2", "--url", url),
         cwd=tmp_path,
     )
-    assert worked.returncode == 0, worked.stderr
+    assert worked.returncode == 3, worked.stderr  # every job ended, one failed for good
     assert "proletarian[default] stopped: 1 succeeded, 0 retried, 1 failed" in worked.stderr
     assert [(what, job_id) for what, _, job_id in events(tmp_path)] == [("end", ok)]
 
@@ -131,26 +131,12 @@ def test_a_worker_stops_gracefully_on_sigterm_and_exits_by_the_signal(tmp_path: 
     with engine.begin() as conn:
         first = sp.enqueue(conn, "slow", {"seconds": 0.5})
         second = sp.enqueue(conn, "slow", {"seconds": 0.5})
-    process = subprocess.Popen(
-        [CLI, "worker", "tasks:create_handlers()", "--handler-mode", "advanced"],
-        cwd=tmp_path,
-        env={"PATH": "/usr/bin:/bin", "DATABASE_URL": url},
-        stderr=subprocess.PIPE,
-        text=True,
+    status, stderr = run_until_sigterm(
+        ["worker", "tasks:create_handlers()", "--handler-mode", "advanced"],
+        tmp_path,
+        {"PATH": "/usr/bin:/bin", "DATABASE_URL": url, **PACKAGE_ENV},
     )
-    try:
-        wait_until(lambda: events(tmp_path), "the first job to start")
-        process.send_signal(signal.SIGTERM)
-        _, stderr = process.communicate(timeout=30)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert process.returncode == -signal.SIGTERM, stderr
-    assert "proletarian[default] stopped: 1 succeeded, 0 retried, 0 failed" in stderr
-    assert [(what, job_id) for what, _, job_id in events(tmp_path)] == [
-        ("start", first),
-        ("end", first),
-    ]
+    assert_finished_only_the_first(status, stderr, tmp_path, first)
     assert [row.job_id for row in rows(engine, statements.JOB)] == [second]
     engine.dispose()
 
@@ -203,3 +189,38 @@ def test_the_url_and_log_level_may_come_before_the_command(database: Database) -
     assert overridden.returncode == 0, overridden.stderr
     unknown = assert_one_line_error(cli("--url", url, "frobnicate"), 2)
     assert unknown.startswith("sqla-proletarian: error: argument COMMAND: invalid choice")
+
+
+def _read_order(text: str) -> object:
+    """The test's own helper, where the handler's failure starts: json.loads inside it."""
+    return json.loads(text)
+
+
+def charge(job_type: str, payload: object) -> None:
+    _read_order(str(payload))
+
+
+def test_failed_shows_the_whole_traceback_and_its_json_carries_it(database: Database) -> None:
+    """A failure inside a helper of this module: ``failed`` prints the summary, this file's
+    frames and the innermost (json's) under the job's row, and ``failed --json`` has the
+    same text in ``error``."""
+    engine = database.engine()
+    with engine.begin() as conn:
+        job_id = sp.enqueue(conn, "charge", "{not json")
+    assert sp.process_next_job(engine, charge)
+    url = url_of(database)
+
+    listed = cli("failed", "--json", "--url", url)
+    readable = cli("failed", "--url", url)
+
+    assert listed.returncode == 0 and readable.returncode == 0, listed.stderr + readable.stderr
+    [failure] = json.loads(listed.stdout)["failed"]
+    error = failure["error"]
+    assert failure["job_id"] == str(job_id)
+    assert error.startswith("json.decoder.JSONDecodeError: Expecting property name")
+    assert f'File "{__file__}"' in error and "in _read_order" in error and "in charge" in error
+    frames = [line.strip() for line in error.splitlines() if line.strip().startswith("File ")]
+    assert "decoder.py" in frames[-1], frames
+    _, row, *shown = readable.stdout.splitlines()
+    assert row.split()[:3] == [str(job_id), "default", "charge"]
+    assert [line.removeprefix("    ") for line in shown] == error.splitlines()

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 import sqlalchemy as sa
-from cli_support import CLI, archived, events, rows, url_of, wait_until, write_tasks
+from cli_support import CLI, PACKAGE_ENV, archived, events, rows, url_of, wait_until, write_tasks
 
 import sqla_proletarian as sp
 from sqla_proletarian import statements
@@ -54,7 +54,7 @@ def supervise(
                 *args,
             ],
             cwd=directory,
-            env={"PATH": "/usr/bin:/bin", "DATABASE_URL": url_of(database)},
+            env={"PATH": "/usr/bin:/bin", "DATABASE_URL": url_of(database), **PACKAGE_ENV},
             stdout=subprocess.DEVNULL,
             stderr=log,
             text=True,

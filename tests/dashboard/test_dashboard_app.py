@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from dashboard_support import Visitor, archive, csrf_token, holding
+from markupsafe import escape
 
 import sqla_proletarian as sp
 from sqla_proletarian.dashboard import actions, create_dashboard
@@ -384,3 +385,32 @@ def test_a_running_job_shows_as_running(engine: sa.Engine) -> None:
     with holding(engine):
         assert visitor.get("/api/overview").json["queues"][0]["running"] == 1  # type: ignore[index]
         assert str(job_id) in visitor.get("/jobs?state=running").get_data(as_text=True)
+
+
+def _render(template: str) -> None:
+    """The test's own helper, where the handler's failure is raised."""
+    raise ValueError(f"cannot render {template}")
+
+
+def render(job_type: str, payload: Any) -> None:
+    _render(payload["template"])
+
+
+def test_a_failures_page_shows_its_whole_traceback_escaped(engine: sa.Engine) -> None:
+    """The job's page shows the archived traceback in its <pre>, this file's frames and the
+    innermost included, with markup in the message escaped; the failures list shows its
+    first line (the exception's type and message)."""
+    job_id = enqueue(engine, "render", {"template": HOSTILE})
+    assert sp.process_next_job(engine, render)
+    detail = sp.get_job(engine, job_id)
+    assert detail is not None and detail.error is not None
+    visitor = Visitor(create_dashboard(engine))
+
+    page = visitor.get(f"/jobs/{job_id}").get_data(as_text=True)
+    listed = visitor.get("/jobs?state=failed").get_data(as_text=True)
+
+    shown = page.split('<pre class="error" id="error">')[1].split("</pre>")[0]
+    assert "<script>" not in shown and f"cannot render {escape(HOSTILE)}" in shown
+    assert shown == str(escape(detail.error))
+    assert f"File &#34;{__file__}&#34;" in shown and "in _render" in shown and "in render" in shown
+    assert f"ValueError: cannot render {escape(HOSTILE)}</td>" in listed

@@ -3,8 +3,11 @@
 Usage: ``python page_runner.py BLOCKS.json RESULT.json``. ``BLOCKS.json`` holds the page's
 blocks as ``test_docs.py`` parsed them; every ``python`` block is executed in one namespace
 (compiled under the page's name and real line numbers, so a traceback points into the page),
-every ``$ `` line of a ``console`` block is run with bash, and every block marked
-``<!-- file: NAME -->`` is written to ``NAME`` and checked by parsing. The first failure is
+every command of a ``console`` block is run with bash (a ``bash``/``sh`` block as one script,
+with ``bash -e``; under ``<!-- output checked -->`` what each command prints is compared with
+the page), the commands of a block marked ``<!-- not run: WHY -->`` are only checked with
+``bash -n``, and every block marked ``<!-- file: NAME -->`` is written to ``NAME`` and
+checked by parsing. The first failure is
 written to ``RESULT.json`` (its line, and what went wrong) and ends the run.
 """
 
@@ -50,11 +53,15 @@ def check_file(path: Path, language: str, text: str) -> None:
             raise BlockFailed(f"bash -n {path.name}:\n{done.stderr}")
 
 
-def run_console(block: dict[str, Any]) -> None:
-    for line_no, command in block["commands"]:
+def run_shell(block: dict[str, Any]) -> None:
+    """Run the block's commands with bash, one shell each, or only parse them (``bash -n``)
+    when the page marks the block as not runnable; compare their output when it is checked."""
+    options = ["-n"] if block["not_run"] else ["-e"] if block["language"] != "console" else []
+    outputs = block["outputs"] or [None] * len(block["commands"])
+    for (line_no, command), expected in zip(block["commands"], outputs, strict=True):
         try:
             done = subprocess.run(
-                ["bash", "-c", command],
+                ["bash", *options, "-c", command],
                 capture_output=True,
                 text=True,
                 timeout=COMMAND_TIMEOUT,
@@ -65,10 +72,18 @@ def run_console(block: dict[str, Any]) -> None:
                 f"line {line_no}: `{command}` did not finish within {COMMAND_TIMEOUT} s\n"
                 f"{exc.stdout or ''}{exc.stderr or ''}"
             ) from None
+        if done.returncode and block["not_run"]:
+            raise BlockFailed(f"line {line_no}: `{command}` is not valid bash\n{done.stderr}")
         if done.returncode:
             raise BlockFailed(
                 f"line {line_no}: `{command}` exited with {done.returncode}\n"
                 f"--- stdout\n{done.stdout}--- stderr\n{done.stderr}"
+            )
+        printed = "\n".join(line.rstrip() for line in done.stdout.splitlines()).strip("\n")
+        if expected is not None and printed != expected:
+            raise BlockFailed(
+                f"line {line_no}: `{command}` printed what the page does not show\n"
+                f"--- the page\n{expected}\n--- printed\n{printed}"
             )
 
 
@@ -94,8 +109,8 @@ def run_blocks(page: str, blocks: list[dict[str, Any]]) -> dict[str, Any] | None
             elif block["language"] == "python":
                 padded = "\n" * line + block["text"]  # the code starts on the fence's next line
                 exec(compile(padded, page, "exec"), namespace)
-            elif block["language"] == "console":
-                run_console(block)
+            elif block["commands"]:
+                run_shell(block)
         except BlockFailed as exc:
             return {"line": line, "language": block["language"], "error": str(exc)}
         except BaseException:

@@ -1,4 +1,5 @@
-"""Every code block of every ``docs/**/*.md`` page does what the page says: one test a page.
+"""Every code block of every ``docs/**/*.md`` page does what the page says: one test a page;
+and every shell block of README.md runs (or is marked as not runnable) the same way.
 
 The convention (what a page may contain):
 
@@ -8,12 +9,25 @@ The convention (what a page may contain):
 - A ```` ```console ```` block: each line starting with ``$ `` is run with bash in that
   directory (the venv's ``bin`` first on ``PATH``, the directory on ``PYTHONPATH``) and must
   exit 0 within 60 s (a line ending in ``\\`` continues on the next); other lines are sample
-  output and are not compared.
+  output and are not compared. A console block without any ``$ `` line is all commands (each
+  line but blank ones and ``#`` comments).
+- A ```` ```bash ````, ```` ```sh ```` or ```` ```shell ```` block is one script, run with
+  ``bash -e`` in that directory (60 s).
+- A shell block (console, bash, sh, shell) right after ``<!-- not run: WHY -->`` is not run,
+  because running it would install software, start something that runs until stopped, or
+  need what the page cannot provide; WHY says which, and may not be empty. Its commands are
+  still checked with ``bash -n``, so a shell syntax error fails the page.
+- A console block right after ``<!-- output checked -->`` has its sample output compared: what
+  each command prints on stdout must be the lines that follow it, up to the next ``$ `` line.
 - A block right after ``<!-- file: NAME -->`` is not executed but written to ``NAME`` in that
   directory, and checked by parsing (``.py`` compiled, ``ini``/``.service`` with
   configparser, ``toml`` with tomllib, ``json``, ``bash -n``); its language must be one of
   ``WRITABLE`` (a typo fails the page).
 - Any other block (no language, or another language without a file marker) fails the page.
+
+README.md follows the same rules for its shell blocks only: its Python blocks are excerpts of
+the tour (tests/integration/test_examples.py runs its complete example), and its other blocks
+show output or files.
 
 Each page runs in a subprocess of its own (``page_runner.py``), so pages cannot see each
 other's modules, engines or threads. A failure names the page and the line of the block.
@@ -42,12 +56,16 @@ PAGE_TIMEOUT = 110
 
 FENCE = re.compile(r"^(?P<indent> {0,12})(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`]*)$")
 FILE_MARKER = re.compile(r"^\s*<!--\s*file:\s*(?P<name>\S+)\s*-->\s*$")
+NOT_RUN_MARKER = re.compile(r"^\s*<!--\s*not run:(?P<why>.*?)-->\s*$")
+OUTPUT_MARKER = re.compile(r"^\s*<!--\s*output checked\s*-->\s*$")
+#: Languages of the blocks that run through bash.
+SHELL = ("console", "bash", "sh", "shell")
 #: Languages a page may run without a file marker.
-RUNNABLE = ("python", "console")
+RUNNABLE = ("python", *SHELL)
 #: Languages a file block may have (those with a parser are checked by page_runner.py).
 WRITABLE = (
     *RUNNABLE,
-    *("py", "ini", "systemd", "toml", "json", "bash", "sh", "shell", "dockerfile", "sql"),
+    *("py", "ini", "systemd", "toml", "json", "dockerfile", "sql"),
     *("yaml", "text", "mako", "nginx", "env"),
 )
 
@@ -62,27 +80,58 @@ class Block:
     language: str
     text: str
     file: str | None = None
+    #: The shell commands, each with its line: run, or only checked with ``bash -n`` when
+    #: ``not_run`` says why not.
     commands: list[tuple[int, str]] = field(default_factory=list)
+    not_run: str | None = None
+    #: Under ``<!-- output checked -->``: the stdout each command must print.
+    outputs: list[str] | None = None
 
 
-def parse_page(path: Path, text: str | None = None) -> list[Block]:
-    """The page's code blocks, each with its line; a block that breaks the rules raises."""
+def parse_page(path: Path, text: str | None = None, *, shell_only: bool = False) -> list[Block]:
+    """The page's code blocks, each with its line; a block that breaks the rules raises.
+    With ``shell_only`` (the README), only the shell blocks and the files they may use."""
     name = display_name(path)
     lines = (path.read_text() if text is None else text).splitlines()
     blocks: list[Block] = []
     marker: str | None = None
+    not_run: tuple[int, str] | None = None
+    checked: int | None = None
     index = 0
     while index < len(lines):
         line = lines[index]
         found = FILE_MARKER.match(line)
+        skipped = NOT_RUN_MARKER.match(line)
         if found:
             marker = found["name"]
+            index += 1
+            continue
+        if OUTPUT_MARKER.match(line):
+            checked = index + 1
+            index += 1
+            continue
+        if skipped:
+            not_run = (index + 1, skipped["why"].strip())
+            if not not_run[1]:
+                raise PageError(
+                    f"{name}:{index + 1}: <!-- not run: --> without a reason: say why the "
+                    "block cannot run, e.g. <!-- not run: starts a server that runs until "
+                    "stopped -->"
+                )
             index += 1
             continue
         opening = FENCE.match(line)
         if not opening:
             if line.strip():
                 marker = None
+                if not_run is not None or checked is not None:
+                    where, what = (
+                        (not_run[0], "not run:") if not_run else (checked, "output checked")
+                    )
+                    raise PageError(
+                        f"{name}:{where}: <!-- {what} --> must come right before the "
+                        "shell block it marks"
+                    )
             index += 1
             continue
         indent, fence = len(opening["indent"]), opening["fence"]
@@ -100,7 +149,15 @@ def parse_page(path: Path, text: str | None = None) -> list[Block]:
             raise PageError(f"{name}:{start}: the code block is never closed")
         index += 1
         block = Block(line=start, language=language, text="\n".join(body) + "\n", file=marker)
-        marker = None
+        block.not_run = not_run[1] if not_run is not None else None
+        check_output, marker, not_run, checked = checked is not None, None, None, None
+        if block.not_run is not None and (language not in SHELL or block.file is not None):
+            raise PageError(
+                f"{name}:{start}: <!-- not run: --> marks only a shell block "
+                f"({', '.join(SHELL)}) that is not a file; this is a ```{language} block"
+            )
+        if shell_only and language not in SHELL and block.file is None:
+            continue
         if block.file is not None and language not in WRITABLE:
             raise PageError(
                 f"{name}:{start}: unknown language {language!r} for {block.file}: use one of "
@@ -117,15 +174,27 @@ def parse_page(path: Path, text: str | None = None) -> list[Block]:
                     f"{name}:{start}: a ```{language} block must follow <!-- file: NAME --> "
                     "(only python and console blocks run unmarked)"
                 )
-        if block.language == "console" and block.file is None:
-            block.commands = console_commands(block, body)
+        if block.file is None and language in SHELL:
+            if language == "console":
+                block.commands = console_commands(block, body)
+            elif block.text.strip():
+                block.commands = [(start + 1, block.text)]
             if not block.commands:
-                raise PageError(f"{name}:{start}: a console block without a `$ ` command")
+                raise PageError(f"{name}:{start}: a ```{language} block without a command")
+        if check_output:
+            if language != "console" or block.file or block.not_run:
+                raise PageError(
+                    f"{name}:{start}: <!-- output checked --> marks only a console block that runs"
+                )
+            block.outputs = console_outputs(block, body)
         blocks.append(block)
     return blocks
 
 
 def console_commands(block: Block, body: list[str]) -> list[tuple[int, str]]:
+    """The ``$ `` lines of a console block (all its lines when it has none), with their
+    line numbers; a line ending in a backslash continues on the next."""
+    prompted = any(line.startswith("$ ") for line in body)
     commands: list[tuple[int, str]] = []
     pending: tuple[int, str] | None = None
     for offset, line in enumerate(body, start=block.line + 1):
@@ -133,6 +202,8 @@ def console_commands(block: Block, body: list[str]) -> list[tuple[int, str]]:
             pending = (pending[0], pending[1] + "\n" + line)
         elif line.startswith("$ "):
             pending = (offset, line[2:])
+        elif not prompted and line.strip() and not line.lstrip().startswith("#"):
+            pending = (offset, line)
         else:
             continue
         if not pending[1].endswith("\\"):
@@ -143,6 +214,19 @@ def console_commands(block: Block, body: list[str]) -> list[tuple[int, str]]:
     return commands
 
 
+def console_outputs(block: Block, body: list[str]) -> list[str]:
+    """The sample output of each command of a console block: the lines after it, up to the
+    next command."""
+    firsts = [line - block.line - 1 for line, _ in block.commands]
+    outputs = []
+    for (first, (_, command)), end in zip(
+        zip(firsts, block.commands, strict=True), [*firsts[1:], len(body)], strict=True
+    ):
+        lines = body[first + command.count("\n") + 1 : end]
+        outputs.append("\n".join(text.rstrip() for text in lines).strip("\n"))
+    return outputs
+
+
 def display_name(path: Path) -> str:
     try:
         return str(path.resolve().relative_to(ROOT))
@@ -150,11 +234,13 @@ def display_name(path: Path) -> str:
         return str(path)
 
 
-def run_page(path: Path, workdir: Path, text: str | None = None) -> None:
+def run_page(
+    path: Path, workdir: Path, text: str | None = None, *, shell_only: bool = False
+) -> None:
     """Run every block of a page in ``workdir``; fail the test with the page and line."""
     name = display_name(path)
     try:
-        blocks = parse_page(path, text)
+        blocks = parse_page(path, text, shell_only=shell_only)
     except PageError as exc:
         pytest.fail(str(exc), pytrace=False)
     spec = workdir / ".page-blocks.json"
@@ -204,6 +290,11 @@ def test_page_runs_as_written(page: Path, tmp_path: Path) -> None:
     run_page(page, tmp_path)
 
 
+def test_readme_shell_blocks_run_as_written(tmp_path: Path) -> None:
+    """Each shell block of README.md runs, or is marked as not runnable and parses as bash."""
+    run_page(ROOT / "README.md", tmp_path, shell_only=True)
+
+
 def test_api_reference_mentions_every_public_name() -> None:
     """docs/reference/api.md names every name in ``sqla_proletarian.__all__``."""
     text = (DOCS / "reference" / "api.md").read_text()
@@ -222,6 +313,14 @@ def test_runner_refuses_unmarked_and_unknown_blocks(tmp_path: Path) -> None:
     assert parse_page(page, "<!-- file: app.yaml -->\n```yaml\nkey: value\n```\n")[0].file
     with pytest.raises(PageError, match=r"page\.md:2: unknown language 'pyhton'"):
         parse_page(page, "<!-- file: app.py -->\n```pyhton\nx = 1\n```\n")
+    with pytest.raises(PageError, match=r"page\.md:1: <!-- not run: --> without a reason"):
+        parse_page(page, "<!-- not run: -->\n```console\n$ make test\n```\n")
+    with pytest.raises(PageError, match=r"page\.md:2: <!-- not run: --> marks only a shell"):
+        parse_page(page, "<!-- not run: slow -->\n```python\nx = 1\n```\n")
+    with pytest.raises(PageError, match=r"page\.md:2: <!-- output checked --> marks only a"):
+        parse_page(page, "<!-- output checked -->\n```bash\necho hi\n```\n")
+    with pytest.raises(PageError, match=r"page\.md:1: <!-- not run: --> must come right before"):
+        parse_page(page, "<!-- not run: slow -->\nSome text.\n\n```console\n$ true\n```\n")
 
 
 def test_runner_failure_names_page_and_line(tmp_path: Path) -> None:
@@ -235,6 +334,16 @@ def test_runner_failure_names_page_and_line(tmp_path: Path) -> None:
         ),
         "```console\n$ true\nsample output\n$ exit 3\n```\n": (":1: the ```console", "exit 3"),
         "<!-- file: app.toml -->\n```toml\n[broken\n```\n": (":2: the ```toml", "TOMLDecode"),
+        "```bash\nfalse\necho never\n```\n": (":1: the ```bash", "exited with 1"),
+        "```console\ntrue\nexit 4\n```\n": (":1: the ```console", "exit 4"),
+        "<!-- output checked -->\n```console\n$ echo one\none\n$ echo two; echo 3\ntwo\n```\n": (
+            ":2: the ```console",
+            "printed what the page does not show",
+        ),
+        "<!-- not run: runs until stopped -->\n```console\nworker tasks:make() --burst\n```\n": (
+            ":2: the ```console",
+            "syntax error",
+        ),
     }
     for text, (where, why) in cases.items():
         workdir = tmp_path / f"run{len(list(tmp_path.iterdir()))}"

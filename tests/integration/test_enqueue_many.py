@@ -21,7 +21,10 @@ def job_inserts(engine: sa.Engine) -> list[int]:
     @sa.event.listens_for(engine, "before_cursor_execute")
     def count(conn: Any, cursor: Any, statement: str, params: Any, context: Any, many: bool):
         if statement.lstrip().upper().startswith("INSERT INTO PROLETARIAN_JOB "):
-            seen.append(len(params) if many else 1)
+            if isinstance(params, dict):  # one row, or rows as job_id__0, job_id__1...
+                seen.append(sum(1 for key in params if key.split("__")[0] == "job_id") or 1)
+            else:
+                seen.append(len(params) if many else 1)
 
     return seen
 
@@ -78,11 +81,15 @@ def test_enqueue_many_validates_every_job_first_and_names_the_bad_one(engine: sa
         sp.enqueue_many(engine, [("ok", 1)])  # type: ignore[arg-type]
 
 
-def test_enqueue_many_writes_one_statement_per_thousand_jobs(engine: sa.Engine) -> None:
+def test_enqueue_many_writes_its_jobs_in_a_few_statements_not_one_per_job(
+    engine: sa.Engine,
+) -> None:
+    """At most one INSERT per 1,000 jobs (an executemany counts once; psycopg 3's COPY is
+    not an INSERT)."""
     inserts = job_inserts(engine)
     with engine.begin() as conn:
         sp.enqueue_many(conn, [("n", n) for n in range(2500)])
-    assert len(inserts) == 3
+    assert len(inserts) <= 3
     assert len(jobs(engine)) == 2500
 
 

@@ -119,6 +119,23 @@ def test_the_status_filter_deletes_only_old_jobs_that_ended_that_way(engine: sa.
     assert not set(old_failures) & archived_ids(engine)
 
 
+def test_the_status_filter_takes_cancelled_jobs_too(engine: sa.Engine) -> None:
+    """``status="cancelled"`` deletes the old cancelled jobs only: cancel_job archives them so."""
+    job_id = enqueue_committed(engine, "work", process_at=OLD)
+    with engine.begin() as conn:
+        assert sp.cancel_job(conn, job_id, clock=FakeClock(OLD))
+    others = archive(engine, (OLD, "success"), (OLD, "failure"))
+    with engine.connect() as conn:
+        cancelled = conn.scalar(
+            sa.select(statements.ARCHIVE.c.status).where(statements.ARCHIVE.c.job_id == job_id)
+        )
+    assert cancelled == "cancelled"
+
+    clock = FakeClock(T0)
+    assert sp.prune_archive(engine, older_than=MONTH, status="cancelled", clock=clock) == 1
+    assert archived_ids(engine) == set(others)
+
+
 # --- batches ------------------------------------------------------------------------------
 
 

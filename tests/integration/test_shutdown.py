@@ -145,8 +145,10 @@ def test_polling_interval_is_the_pause_after_the_queue_is_drained(engine: sa.Eng
 
 
 def test_polling_interval_sets_the_rate_of_polls_on_an_empty_queue(engine: sa.Engine) -> None:
+    """Without LISTEN (here poll_only; MariaDB and SQLite never have it), an idle worker polls
+    once per polling interval. With LISTEN it sleeps longer: see test_idle."""
     clock = FakeClock()  # read once per poll
-    worker = sp.create_queue_worker(engine, _ok, polling_interval=0.15, clock=clock)
+    worker = sp.create_queue_worker(engine, _ok, polling_interval=0.15, clock=clock, poll_only=True)
     with running(worker):
         assert wait_for(lambda: clock.calls >= 1), "the worker never polled"
         first = clock.calls  # counted from the first poll: start-up is not the interval

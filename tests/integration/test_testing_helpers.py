@@ -303,3 +303,28 @@ def test_plugin_without_proletarian_engine_says_what_to_define(pytester: pytest.
     result = pytester.runpytest_inprocess(*INNER_ARGS)
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*define a fixture named proletarian_engine in your conftest.py*"])
+
+
+def test_plugin_refuses_a_database_whose_queue_tables_hold_rows_and_keeps_them(
+    pytester: pytest.Pytester, database: Database
+) -> None:
+    """A proletarian_engine on a developer's database (a queued job, an archived one, a
+    paused queue): each test errors saying what to do, and every row is still there after
+    the run (the fixture used to empty the tables after each test)."""
+    engine = database.engine()
+    with engine.begin() as conn:
+        queued = sp.enqueue(conn, "mine", {"n": 1})
+        done = sp.enqueue(conn, "mine", {"n": 2}, queue="done")
+        sp.pause_queue(conn, "held")
+    assert sp.process_next_job(engine, _noop, queue="done")
+    before = [count(engine, table) for table in sp.metadata.sorted_tables]
+    pytester.makeconftest(_inner_conftest(database.url))
+    pytester.makepyfile(test_app=textwrap.dedent(INNER_TESTS))
+    result = pytester.runpytest_inprocess(*INNER_ARGS)
+    assert [count(engine, table) for table in sp.metadata.sorted_tables] == before
+    assert [job.job_id for job in enqueued_jobs(engine)] == [queued]
+    assert [job.job_id for job in archived(engine)] == [done]
+    result.assert_outcomes(errors=2)
+    result.stdout.fnmatch_lines(["*queue tables of * already hold rows (*proletarian_job: 1*"])
+    result.stdout.fnmatch_lines(["*never deletes rows a test did not create: point*"])
+    engine.dispose()

@@ -1,0 +1,152 @@
+"""The ``sqla-proletarian`` command line: a thin shell over the library's public functions.
+
+One function per command, listed in ``COMMANDS`` (name, summary, example, arguments, run):
+adding a command is adding an entry. Every command reads the database URL from ``--url``
+or ``DATABASE_URL``. Bad input gets one line on standard error that says what to do, and
+exit status 2 (usage) or 1 (anything else); never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from sqla_proletarian import __version__
+from sqla_proletarian.cli.common import (
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    PROG,
+    Command,
+    UsageError,
+    _error,
+    _one_line,
+    explain,
+    parse_duration,
+)
+from sqla_proletarian.cli.control import CANCEL, ENQUEUE, PAUSE, RESUME
+from sqla_proletarian.cli.dashboard import DASHBOARD
+from sqla_proletarian.cli.inspection import FAILED, JOBS, PRUNE, RETRY_FAILED, STATUS
+from sqla_proletarian.cli.schema import INSTALL
+from sqla_proletarian.cli.worker import WORKER, load_handler, load_periodic_jobs
+from sqla_proletarian.errors import ConfigurationError, InvalidJobError
+
+__all__ = [
+    "COMMANDS",
+    "build_parser",
+    "explain",
+    "load_handler",
+    "load_periodic_jobs",
+    "main",
+    "parse_duration",
+]
+
+COMMANDS: tuple[Command, ...] = (
+    INSTALL,
+    WORKER,
+    ENQUEUE,
+    STATUS,
+    JOBS,
+    FAILED,
+    RETRY_FAILED,
+    PAUSE,
+    RESUME,
+    CANCEL,
+    PRUNE,
+    DASHBOARD,
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with usage errors in one line."""
+
+    def error(self, message: str) -> NoReturn:
+        command = None if self.prog == PROG else self.prog.removeprefix(f"{PROG} ")
+        _error(command, f"{message} (see {self.prog} --help)")
+        raise SystemExit(EXIT_USAGE)
+
+
+def _add_common_arguments(parser: argparse.ArgumentParser, default: object) -> None:
+    """``--url`` and ``--log-level``, taken before the command or after it."""
+    parser.add_argument(
+        "--url",
+        default=default,
+        help="the database URL (default: the DATABASE_URL environment variable)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default=default,
+        choices=("debug", "info", "warning", "error"),
+        help="the library's log level (worker: info; other commands: warning)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # After the command the options only override what was given before it.
+    common = _Parser(add_help=False)
+    _add_common_arguments(common, argparse.SUPPRESS)
+    parser = _Parser(
+        prog=PROG,
+        description="A durable job queue in your SQLAlchemy database: commands.",
+        epilog="examples:\n"
+        + "\n".join(f"  {command.example}" for command in COMMANDS)
+        + f"\n\n`{PROG} COMMAND --help` tells more.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_common_arguments(parser, None)
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for command in COMMANDS:
+        sub = subparsers.add_parser(
+            command.name,
+            parents=[common],
+            help=command.summary,
+            description=command.summary[:1].upper() + command.summary[1:] + ".",
+            epilog=(f"{command.details}\n" if command.details else "")
+            + f"example:\n  {command.example}",
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        for names, options in command.arguments:
+            sub.add_argument(*names, **options)
+        sub.set_defaults(run=command.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; the process's exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    _configure_logging(args.log_level or ("info" if args.command == "worker" else "warning"))
+    try:
+        status: int = args.run(args)
+    except (UsageError, InvalidJobError) as exc:
+        return _error(args.command, _one_line(exc), EXIT_USAGE)
+    except ConfigurationError as exc:
+        code = EXIT_USAGE if args.command == "worker" else EXIT_FAILURE
+        return _error(args.command, _one_line(exc), code)
+    except KeyboardInterrupt:
+        return _error(args.command, "interrupted", EXIT_INTERRUPTED)
+    except BrokenPipeError:
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILURE
+    except Exception as exc:
+        return _error(args.command, explain(exc), EXIT_FAILURE)
+    return status
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        stream=sys.stderr,
+    )
+    logging.getLogger("sqla_proletarian").setLevel(level.upper())

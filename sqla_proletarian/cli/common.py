@@ -1,0 +1,266 @@
+"""What every command shares: exit statuses, parsing values, the database URL and its engine,
+one-line errors, and the table that declares a command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import URL, make_url
+
+from sqla_proletarian import statements as sql
+from sqla_proletarian.asyncapp import sync_url
+from sqla_proletarian.errors import ConfigurationError, ProletarianError, driver_error
+from sqla_proletarian.inspection import JOB_STATES, list_jobs, queue_status
+
+PROG = "sqla-proletarian"
+#: Exit status for bad command-line input (argparse's own).
+EXIT_USAGE = 2
+#: Exit status for anything else that went wrong.
+EXIT_FAILURE = 1
+#: Exit status after Ctrl-C in a command other than ``worker``.
+EXIT_INTERRUPTED = 130
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)([dhms])")
+_UNITS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+#: Words in a database's error that mean the library's tables (or columns) are missing.
+_MISSING_TABLE = (
+    "does not exist",
+    "doesn't exist",
+    "no such table",
+    "no such column",
+    "unknown column",
+)
+
+
+class UsageError(ConfigurationError):
+    """The command line is wrong: exit status 2."""
+
+
+# --- parsing values ------------------------------------------------------------------------
+
+
+def parse_duration(text: str) -> timedelta:
+    """``30d``, ``12h``, ``90m``, ``45s``, or several together (``1h30m``); a bare number is
+    seconds."""
+    value = text.strip().lower()
+    try:
+        return timedelta(seconds=float(value))
+    except ValueError:
+        pass
+    parts = _DURATION.findall(value)
+    if not value or "".join(number + unit for number, unit in parts) != value:
+        raise UsageError(f"duration {text!r}: give a number and a unit, e.g. 30d, 12h, 90m or 45s")
+    return timedelta(seconds=sum(float(number) * _UNITS[unit] for number, unit in parts))
+
+
+def _payload(text: str | None) -> Any:
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise UsageError(
+            f"PAYLOAD_JSON is not JSON ({exc}): give one JSON value, e.g. '{{\"id\": 42}}'"
+        ) from None
+
+
+# --- the database --------------------------------------------------------------------------
+
+
+def _url(args: argparse.Namespace) -> URL:
+    text = args.url or os.environ.get("DATABASE_URL")
+    if not text:
+        raise UsageError(
+            "no database URL: pass --url dialect+driver://user@host/dbname or set DATABASE_URL"
+        )
+    try:
+        return make_url(text)
+    except sa_exc.ArgumentError:
+        raise UsageError(
+            "the database URL cannot be parsed: give dialect+driver://user:password@host/dbname"
+        ) from None
+
+
+def _engine(url: URL, **options: Any) -> sa.Engine:
+    """An engine on ``url`` whose first connection succeeded."""
+    try:
+        engine = sa.create_engine(url, **options)
+    except sa_exc.NoSuchModuleError:
+        raise UsageError(
+            f"the database URL names an unknown dialect ({url.drivername}): use postgresql+"
+            "psycopg://, mysql+pymysql://, sqlite:///path, ..."
+        ) from None
+    except ImportError as exc:
+        raise ProletarianError(
+            f"the database driver of {url.drivername} is not installed ({_one_line(exc)}): "
+            f"install it, or the one the package's extra brings: {_driver_advice(url)}"
+        ) from None
+    try:
+        with engine.connect():
+            pass
+    except sa_exc.DBAPIError as exc:
+        engine.dispose()
+        raise ProletarianError(
+            f"cannot connect to the database at {url.render_as_string(hide_password=True)}: "
+            f"{_database_message(exc)}; check --url or DATABASE_URL, and that the server is "
+            "running and lets you in"
+        ) from None
+    return engine
+
+
+def _driver_advice(url: URL) -> str:
+    """How to install a driver for ``url``'s server, and the URL that names it."""
+    if url.get_backend_name() in ("mysql", "mariadb"):
+        return "pip install 'sqla-proletarian[mysql]' (PyMySQL), and a mysql+pymysql:// URL"
+    return "pip install 'sqla-proletarian[postgresql]' (psycopg), and a postgresql+psycopg:// URL"
+
+
+@contextmanager
+def _database(args: argparse.Namespace, **options: Any) -> Iterator[sa.Engine]:
+    """The engine of the command's URL (an async URL's sync twin), connected once, disposed
+    of at the end."""
+    engine = _engine(sync_url(_url(args)), **options)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+def _check_tables(engine: sa.Engine) -> None:
+    """Fail now, with advice, if the library's tables are missing or not upgraded."""
+    with engine.connect() as conn:
+        for statement in sql.probe_tables():
+            conn.execute(*statement)
+
+
+def warn_if_unknown_queue(engine: sa.Engine, command: str, queue: str | None) -> None:
+    """Warn on standard error if ``queue`` has never held a job (no job, archived job or
+    pause of it): most likely a misspelling, which would otherwise pass in silence."""
+    if queue is None:
+        return
+    for state in JOB_STATES:
+        if list_jobs(engine, state, queue=queue, limit=1).jobs:
+            return
+    if any(status.queue == queue for status in queue_status(engine)):
+        return  # paused
+    print(
+        f"{PROG} {command}: warning: queue {queue!r} has never held a job (no job, archived "
+        f"job or pause of it): check its spelling; `{PROG} status` lists the queues",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def explain(exc: BaseException) -> str:
+    """One line that says what went wrong and, where it can, what to do."""
+    if isinstance(exc, ProletarianError):
+        return _one_line(exc)
+    if isinstance(exc, sa_exc.SQLAlchemyError):
+        message = _database_message(exc)
+        lowered = message.lower()
+        if any(words in lowered for words in _MISSING_TABLE):
+            return (
+                f"the library's tables are missing or older than this version ({message}): "
+                f"run `{PROG} install` (or your own Alembic migrations)"
+            )
+        if "permission denied" in lowered or "command denied" in lowered:
+            return f"the database refused ({message}): grant the role what docs/privileges.md lists"
+        return f"database error: {message}"
+    return f"unexpected error: {_one_line(exc)}"
+
+
+def _database_message(exc: BaseException) -> str:
+    """The first line of the driver's own message (drivers add hints on further lines)."""
+    orig = driver_error(exc)
+    lines = str(orig if orig is not None else exc).strip().splitlines()
+    return " ".join(lines[0].split()) if lines else type(exc).__name__
+
+
+def _one_line(exc: BaseException) -> str:
+    """A library error's message, or any other exception as ``Type: message``."""
+    text = str(exc) if isinstance(exc, ProletarianError) else f"{type(exc).__name__}: {exc}"
+    return " ".join(text.split())
+
+
+def _uuids(values: Sequence[str], listed_by: str) -> list[uuid.UUID]:
+    """The job ids given, each a UUID; ``listed_by`` is the command that shows such ids."""
+    ids = []
+    for value in values:
+        try:
+            ids.append(uuid.UUID(value))
+        except ValueError:
+            raise UsageError(
+                f"{value!r} is not a job id: give the UUIDs `{PROG} {listed_by}` shows"
+            ) from None
+    return ids
+
+
+# --- declaring a command --------------------------------------------------------------------
+
+
+#: One argument of a command: ``add_argument``'s names and options.
+Argument = tuple[tuple[str, ...], dict[str, Any]]
+
+
+def arg(*names: str, **options: Any) -> Argument:
+    return names, options
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: its name, a line of help, an example, its arguments and its run."""
+
+    name: str
+    summary: str
+    example: str
+    arguments: tuple[Argument, ...]
+    run: Callable[[argparse.Namespace], int]
+    details: str = ""
+
+
+def _error(command: str | None, message: str, code: int = EXIT_USAGE) -> int:
+    where = f"{PROG} {command}" if command else PROG
+    print(f"{where}: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    return code
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """The header and rows as lines of aligned columns."""
+    lines = [header, *rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        for line in lines
+    ]
+
+
+def _cell(value: int | float | None) -> str:
+    """A count as it is; an age (float seconds) as 12.3s, 5m 3s, 2h 5m or 3d 4h."""
+    if value is None:
+        return "-"
+    if isinstance(value, int):
+        return str(value)
+    seconds = value
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    whole = int(seconds)
+    for unit, size, smaller, small_size in (("d", 86400, "h", 3600), ("h", 3600, "m", 60)):
+        if whole >= size:
+            return f"{whole // size}{unit} {whole % size // small_size}{smaller}"
+    return f"{whole // 60}m {whole % 60}s"
+
+
+def _iso(value: datetime) -> str:
+    return value.isoformat()

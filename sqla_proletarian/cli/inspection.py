@@ -1,0 +1,275 @@
+"""``status``, ``failed``, ``retry-failed`` and ``prune``: what the queues and the archive hold,
+and putting failures back."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import uuid
+from dataclasses import asdict
+from datetime import datetime
+from typing import Any
+
+from sqla_proletarian.cli.common import (
+    PROG,
+    Command,
+    UsageError,
+    _cell,
+    _database,
+    _iso,
+    _table,
+    _uuids,
+    arg,
+    parse_duration,
+    warn_if_unknown_queue,
+)
+from sqla_proletarian.errors import ConfigurationError
+from sqla_proletarian.inspection import (
+    DEFAULT_FAILED_LIMIT,
+    DEFAULT_PAGE_SIZE,
+    JOB_STATES,
+    MAX_PAGE_SIZE,
+    failed_jobs,
+    list_jobs,
+    queue_status,
+)
+from sqla_proletarian.maintenance import prune_archive, retry_failed_report
+from sqla_proletarian.supervisor import EXIT_OK
+
+
+def status(args: argparse.Namespace) -> int:
+    with _database(args) as engine:
+        queues = queue_status(engine)
+    if args.json:
+        rows = [asdict(queue) for queue in queues]
+        for row in rows:
+            if row["oldest_ready_age_s"] is not None:
+                row["oldest_ready_age_s"] = round(row["oldest_ready_age_s"], 3)
+        print(json.dumps({"queues": rows}))
+        return EXIT_OK
+    if not queues:
+        print("no jobs queued, and none finished in the last hour")
+        return EXIT_OK
+    header = (
+        "QUEUE",
+        "READY",
+        "SCHEDULED",
+        "RUNNING",
+        "OLDEST READY",
+        "SUCCEEDED 1H",
+        "FAILED 1H",
+        "PAUSED",
+        "BY PRIORITY",
+    )
+    counts = ("ready", "scheduled", "running", "oldest_ready_age_s", "succeeded_last_hour")
+    table = [
+        [
+            q.queue,
+            *(_cell(getattr(q, name)) for name in counts),
+            str(q.failed_last_hour),
+            "paused" if q.paused else "-",
+            " ".join(f"{priority}:{jobs}" for priority, jobs in q.by_priority.items()) or "-",
+        ]
+        for q in queues
+    ]
+    print("\n".join(_table(header, table)))
+    return EXIT_OK
+
+
+def jobs(args: argparse.Namespace) -> int:
+    states = (args.state,) if args.state is not None else QUEUED_STATES
+    with _database(args) as engine:
+        warn_if_unknown_queue(engine, "jobs", args.queue)
+        try:
+            found = [
+                job
+                for state in states
+                for job in list_jobs(
+                    engine, state, queue=args.queue, job_type=args.job_type, limit=args.limit
+                ).jobs
+            ][: args.limit]
+        except ConfigurationError as exc:
+            raise UsageError(str(exc)) from None
+    if args.json:
+        print(json.dumps([_jsonable(asdict(job)) for job in found]))
+        return EXIT_OK
+    if not found:
+        print(f"no {args.state or 'queued'} jobs")
+        return EXIT_OK
+    header = ("JOB ID", "QUEUE", "JOB TYPE", "STATE", "ATTEMPTS", "DUE OR FINISHED (UTC)")
+    cells = [
+        (
+            str(job.job_id),
+            job.queue,
+            job.job_type,
+            job.state,
+            str(job.attempts),
+            (job.finished_at or job.process_at).strftime("%Y-%m-%d %H:%M:%S"),
+        )
+        for job in found
+    ]
+    print("\n".join(_table(header, cells)))
+    return EXIT_OK
+
+
+#: What ``jobs`` lists without ``--state``: the jobs in the queue, in these states' order.
+QUEUED_STATES = ("running", "ready", "scheduled")
+
+
+def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
+    """A job's fields as JSON takes them: its id as text, its times in ISO 8601."""
+    return {name: _json_value(value) for name, value in row.items()}
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    return _iso(value) if isinstance(value, datetime) else value
+
+
+def failed(args: argparse.Namespace) -> int:
+    with _database(args) as engine:
+        warn_if_unknown_queue(engine, "failed", args.queue)
+        jobs = failed_jobs(engine, queue=args.queue, job_type=args.job_type, limit=args.limit)
+    if args.json:
+        rows = [
+            {
+                **asdict(job),
+                "job_id": str(job.job_id),
+                **{name: _iso(getattr(job, name)) for name in _TIMES},
+            }
+            for job in jobs
+        ]
+        print(json.dumps({"failed": rows}))
+        return EXIT_OK
+    if not jobs:
+        print("no failed jobs in the archive")
+        return EXIT_OK
+    header = ("JOB ID", "QUEUE", "JOB TYPE", "ATTEMPTS", "FINISHED (UTC)")
+    cells = [
+        (
+            str(job.job_id),
+            job.queue,
+            job.job_type,
+            str(job.attempts),
+            job.finished_at.strftime("%Y-%m-%d %H:%M:%S"),
+        )
+        for job in jobs
+    ]
+    first, *lines = _table(header, cells)
+    print(first)
+    for job, line in zip(jobs, lines, strict=True):
+        print(line)
+        for error_line in (job.error or "(no error recorded)").splitlines():
+            print(f"    {error_line}")
+    return EXIT_OK
+
+
+_TIMES = ("enqueued_at", "process_at", "finished_at")
+
+
+def retry(args: argparse.Namespace) -> int:
+    if bool(args.job_ids) == bool(args.all):
+        raise UsageError("give the JOB_IDs to put back, or --all for every failure (not both)")
+    job_ids = None if args.all else _uuids(args.job_ids, "failed")
+    with _database(args) as engine:
+        warn_if_unknown_queue(engine, "retry-failed", args.queue)
+        report = retry_failed_report(engine, job_ids, queue=args.queue, job_type=args.job_type)
+    count = report.put_back
+    print(f"{count} failed job{'s' if count != 1 else ''} put back in the queue")
+    for job_id in report.key_held:
+        print(f"{job_id} stays archived: a queued job of its queue holds its unique_key")
+    return EXIT_OK
+
+
+def prune(args: argparse.Namespace) -> int:
+    older_than = parse_duration(args.older_than)
+    with _database(args) as engine:
+        deleted = prune_archive(engine, older_than=older_than, status=args.status)
+    print(f"{deleted} archived job{'s' if deleted != 1 else ''} deleted")
+    return EXIT_OK
+
+
+FAILED_ARGUMENTS = (
+    arg("--queue", help="only this queue"),
+    arg("--job-type", help="only this job type"),
+    arg(
+        "--limit", type=int, default=DEFAULT_FAILED_LIMIT, help=f"at most ({DEFAULT_FAILED_LIMIT})"
+    ),
+    arg("--json", action="store_true", help='one object: {"failed": [...]}'),
+)
+JOBS_ARGUMENTS = (
+    arg("--queue", help="only this queue"),
+    arg(
+        "--state",
+        choices=JOB_STATES,
+        help="only jobs in this state (default: the queued ones: running, ready, scheduled)",
+    ),
+    arg("--job-type", help="only this job type"),
+    arg(
+        "--limit",
+        type=int,
+        default=DEFAULT_PAGE_SIZE,
+        help=f"at most ({DEFAULT_PAGE_SIZE}, up to {MAX_PAGE_SIZE})",
+    ),
+    arg(
+        "--json",
+        action="store_true",
+        help="a JSON list of jobs: job_id, queue, job_type, state, attempts, enqueued_at, ...",
+    ),
+)
+RETRY_ARGUMENTS = (
+    arg("job_ids", metavar="JOB_ID", nargs="*", help="archived failures"),
+    arg("--all", action="store_true", help="every archived failure"),
+    arg("--queue", help="only failures of this queue"),
+    arg("--job-type", help="only failures of this job type"),
+)
+PRUNE_ARGUMENTS = (
+    arg("--older-than", required=True, metavar="DURATION", help="30d, 12h, 90m, 45s, ..."),
+    arg("--status", choices=("success", "failure", "cancelled"), help="only jobs that ended so"),
+)
+
+
+STATUS = Command(
+    "status",
+    "per queue: ready, scheduled, running, oldest ready, finished in the last hour",
+    f"{PROG} status --json",
+    (arg("--json", action="store_true", help='one object: {"queues": [...]}'),),
+    status,
+)
+
+
+JOBS = Command(
+    "jobs",
+    "the jobs of a queue or the archive in one state, or the queued ones, with their ids",
+    f"{PROG} jobs --queue billing --state ready --limit 20",
+    JOBS_ARGUMENTS,
+    jobs,
+)
+
+
+FAILED = Command(
+    "failed",
+    "the archived failures, newest first, with their errors",
+    f"{PROG} failed --queue billing --limit 20",
+    FAILED_ARGUMENTS,
+    failed,
+)
+
+
+RETRY_FAILED = Command(
+    "retry-failed",
+    "put archived failures back in the queue (same job id, attempts from zero, due now)",
+    f"{PROG} retry-failed --all --job-type charge-card",
+    RETRY_ARGUMENTS,
+    retry,
+)
+
+
+PRUNE = Command(
+    "prune",
+    "delete archived jobs that finished long ago",
+    f"{PROG} prune --older-than 30d --status success",
+    PRUNE_ARGUMENTS,
+    prune,
+)
