@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from sqlalchemy import Connection, Engine, event
 
-from sqla_proletarian import ledger, telemetry
+from sqla_proletarian import direct, ledger, telemetry
 from sqla_proletarian import statements as sql
 from sqla_proletarian.dialects import Dialect
 from sqla_proletarian.errors import (
@@ -503,8 +503,9 @@ class LeaseRunner(RunnerBase):
                 self._archive(conn, job, status, attempts, error, with_runs=True)
             if runs:
                 owner = f"{self.settings.worker_id}@{self._host}/{self._unit_name()}"
-                conn.execute(
-                    *sql.lease([r.job_id for r in runs], token, owner, now, now + self._lease)
+                direct.execute(
+                    conn,
+                    *sql.lease([r.job_id for r in runs], token, owner, now, now + self._lease),
                 )
             conn.commit()
         except BaseException:
