@@ -4,16 +4,19 @@ transaction (the shared parts are in ``running``; lease mode is in ``leases``)."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from sqlalchemy import Connection
 from sqlalchemy import exc as sa_exc
+from sqlalchemy.orm import Session
 
 from sqla_proletarian import direct, ledger, telemetry
 from sqla_proletarian import statements as sql
@@ -27,7 +30,7 @@ from sqla_proletarian.errors import (
     is_lock_conflict,
     is_transient,
 )
-from sqla_proletarian.handlers import JobContext, JobSession, StopSignal
+from sqla_proletarian.handlers import JobContext, JobSession, SessionOnFirstUse, StopSignal
 from sqla_proletarian.ledger import ClaimRecords
 from sqla_proletarian.logs import log_event
 from sqla_proletarian.running import (
@@ -619,16 +622,18 @@ class JobRunner(RunnerBase):
         """Run the handler and write the outcome into the claim's transaction."""
         job = claim.job
         fields = self._fields(job)
-        # A handler of (job_type, payload) cannot reach the job's transaction: its Session
-        # is made only for a retry strategy or failed-job handler that may need it.
+        # The job's Session is made when first read: by an advanced handler (job.session),
+        # a retry strategy or a failed-job handler; a handler of (job_type, payload) cannot
+        # reach the job's transaction at all.
         plain = self.settings.handler_mode != "advanced"
-        session = _LazySession(conn, made=not plain)
+        session = _LazySession(conn)
         try:
             payload, decode_error = self._payload(job)
             signal = StopSignal()
 
             def context_of() -> JobContext:
-                return self._context(job, payload, session.made(), signal)
+                on_first_use = SessionOnFirstUse(session.made)
+                return self._context(job, payload, cast(Session, on_first_use), signal)
 
             context = None if plain else context_of()
             limit = self.settings.max_unclean_ends
@@ -656,14 +661,14 @@ class JobRunner(RunnerBase):
                 if context is None:
                     self._call_plain(job["job_type"], payload, signal)
                 else:
-                    with session.made().handling():
+                    with session.handling():
                         self._call_handler(context)
-                    session.made().finish()
+                    session.finish()
             except JobTransactionLostError:
                 raise
             except Exception as exc:
-                if not conn.invalidated and context is not None:
-                    session.made().discard()
+                if not conn.invalidated:
+                    session.discard()
                 if conn.invalidated:
                     # The job's transaction is gone with its connection: nothing can be
                     # recorded; the job runs again.
@@ -747,20 +752,52 @@ class JobRunner(RunnerBase):
 
 
 class _LazySession:
-    """The job's Session, made on first need (a plain handler's run needs none)."""
+    """The job's Session, made on first need (a run whose handler never reads it needs
+    none). Made while the handler runs, it starts handling at once (see
+    ``JobSession.handling``); made after the run ended, it is closed, as the run's is."""
 
-    __slots__ = ("_conn", "_session")
+    __slots__ = ("_conn", "_ended", "_handling", "_session")
 
-    def __init__(self, conn: Connection, *, made: bool) -> None:
+    def __init__(self, conn: Connection) -> None:
         self._conn = conn
-        self._session = JobSession(conn) if made else None
+        self._session: JobSession | None = None
+        self._handling = False
+        self._ended = False
 
     def made(self) -> JobSession:
         if self._session is None:
             self._session = JobSession(self._conn)
+            if self._handling:
+                self._session.start_handling()
+            elif self._ended:
+                _close_quietly(self._session)
         return self._session
 
+    @contextlib.contextmanager
+    def handling(self) -> Iterator[None]:
+        """Around the handler's call."""
+        self._handling = True
+        if self._session is not None:
+            self._session.start_handling()
+        try:
+            yield
+        finally:
+            self._handling = False
+            if self._session is not None:
+                self._session.stop_handling()
+
+    def finish(self) -> None:
+        if self._session is not None:
+            self._session.finish()
+
+    def discard(self) -> None:
+        """Undo the handler's writes; a session first read after this is closed already."""
+        if self._session is not None:
+            self._session.discard()
+        self._ended = True
+
     def close(self) -> None:
+        self._ended = True
         if self._session is not None:
             _close_quietly(self._session)
 

@@ -103,13 +103,22 @@ class JobSession(Session):
     def handling(self) -> Iterator[None]:
         """While the handler runs: its first statement on the job's connection, however it
         reaches it, opens the worker's savepoint (the worker's own statements never do)."""
-        guard = self._guard = _guard_of(self.job_connection)
-        if self.handler_savepoint is None:
-            guard.session = self
+        self.start_handling()
         try:
             yield
         finally:
-            guard.session = None
+            self.stop_handling()
+
+    def start_handling(self) -> None:
+        """The handler runs from now on (see ``handling``)."""
+        guard = self._guard = _guard_of(self.job_connection)
+        if self.handler_savepoint is None:
+            guard.session = self
+
+    def stop_handling(self) -> None:
+        """The handler has returned (see ``handling``)."""
+        if self._guard is not None:
+            self._guard.session = None
 
     def close(self) -> None:
         """Close the session for good (it never opens the worker's savepoint again)."""
@@ -196,6 +205,16 @@ class _ClaimedJob:
     process_at: datetime
 
 
+class SessionOnFirstUse:
+    """Stands for ``JobContext.session`` until it is first read: a handler that never reads
+    it costs no Session. ``make`` returns the session."""
+
+    __slots__ = ("make",)
+
+    def __init__(self, make: Callable[[], Session]) -> None:
+        self.make = make
+
+
 @dataclass(frozen=True)
 class JobContext(_ClaimedJob):
     """A claimed job, as an advanced-mode handler (and retry strategies) see it.
@@ -210,6 +229,13 @@ class JobContext(_ClaimedJob):
 
     session: Session = field(repr=False, compare=False)
     cancel_requested: threading.Event = field(default_factory=StopSignal, repr=False, compare=False)
+
+    def __getattribute__(self, name: str) -> Any:
+        value = object.__getattribute__(self, name)
+        if name == "session" and type(value) is SessionOnFirstUse:
+            value = value.make()
+            object.__setattr__(self, "session", value)
+        return value
 
 
 @dataclass(frozen=True)
