@@ -21,6 +21,7 @@ from sqlalchemy.engine import URL, make_url
 
 from sqla_proletarian import statements as sql
 from sqla_proletarian.asyncapp import sync_url
+from sqla_proletarian.dashboard.views import age_text
 from sqla_proletarian.errors import ConfigurationError, ProletarianError, driver_error
 from sqla_proletarian.inspection import JOB_STATES, list_jobs, queue_status
 
@@ -252,14 +253,7 @@ def _cell(value: int | float | None) -> str:
         return "-"
     if isinstance(value, int):
         return str(value)
-    seconds = value
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    whole = int(seconds)
-    for unit, size, smaller, small_size in (("d", 86400, "h", 3600), ("h", 3600, "m", 60)):
-        if whole >= size:
-            return f"{whole // size}{unit} {whole % size // small_size}{smaller}"
-    return f"{whole // 60}m {whole % 60}s"
+    return age_text(value)
 
 
 def _iso(value: datetime) -> str:
