@@ -364,15 +364,15 @@ class AsyncQueueWorker:
         if self._tasks:
             raise ConfigurationError(f"worker {self.worker_id} was started already")
         self._loop = asyncio.get_running_loop()
-        wakeups.register(self._engine.sync_engine, self.options.queue, self)
+        wakeups.register(self._engine.sync_engine, self.options.queues, self)
         if not self.options.poll_only and _Listener.supported(self._engine):
-            self._listener = _Listener(self._engine, self.options.queue, self.wake)
+            self._listener = _Listener(self._engine, self.options.queues, self.wake)
             self._listener.start()
         log_event(
             logging.INFO,
             "queue-worker-starting",
             worker_id=self.worker_id,
-            queue=self.options.queue,
+            queue=",".join(self.options.queues),
             concurrency=self.concurrency,
         )
         self._tasks = [
@@ -490,7 +490,7 @@ class AsyncQueueWorker:
         """The stop itself, done once: wait for the tasks, call on_shutdown, let go."""
         try:
             log_event(logging.INFO, "shutting-down", worker_id=self.worker_id)
-            wakeups.unregister(self._engine.sync_engine, self.options.queue, self)
+            wakeups.unregister(self._engine.sync_engine, self.options.queues, self)
             if self._listener is not None:
                 await self._listener.stop()
             pending = {task for task in self._tasks if not task.done()}
@@ -669,14 +669,17 @@ class AsyncQueueWorker:
 class _Listener:
     """A task that LISTENs on PostgreSQL through the engine's own asyncio driver (asyncpg's
     ``add_listener``, or psycopg's ``notifies()``), on a connection of its own outside the
-    pool, and wakes the worker when its queue gets a job. Reconnects after errors, backing
+    pool, and wakes the worker when one of its queues gets a job. Reconnects after errors, backing
     off up to 5 s; ``listening`` says whether it is listening now, and each change wakes the
     worker, whose poll then finds a job committed while it was not.
     """
 
-    def __init__(self, engine: AsyncEngine, queue: str, wake: Callable[[], None]) -> None:
+    def __init__(
+        self, engine: AsyncEngine, queues: tuple[str, ...], wake: Callable[[], None]
+    ) -> None:
         self.engine = engine
-        self.queue = queue
+        self.queues = frozenset(queues)
+        self.name = ",".join(queues)
         self.wake = wake
         self.listening = False
         self._task: asyncio.Task[None] | None = None
@@ -687,7 +690,7 @@ class _Listener:
         return dialect.name == "postgresql" and dialect.driver in ("asyncpg", "psycopg")
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name=f"{self.queue}-listener")
+        self._task = asyncio.create_task(self._run(), name=f"{self.name}-listener")
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -700,7 +703,7 @@ class _Listener:
             try:
                 await self._listen()
             except Exception as exc:
-                log_event(logging.WARNING, "listen-error", queue=self.queue, error=repr(exc))
+                log_event(logging.WARNING, "listen-error", queue=self.name, error=repr(exc))
                 await asyncio.sleep(backoff)
                 backoff = min(5.0, backoff * 2)
 
@@ -716,7 +719,7 @@ class _Listener:
                 await driver.execute(f"LISTEN {wakeups.CHANNEL}")
                 self._listening(True)
                 async for note in driver.notifies():
-                    if note.payload == self.queue:
+                    if note.payload in self.queues:
                         self.wake()
         finally:
             self._listening(False)
@@ -733,7 +736,7 @@ class _Listener:
         lost = asyncio.Event()
 
         def notified(conn: object, pid: int, channel: str, payload: str) -> None:
-            if payload == self.queue:
+            if payload in self.queues:
                 self.wake()
 
         driver.add_termination_listener(lambda conn: lost.set())
@@ -779,5 +782,5 @@ def create_async_queue_worker(
             f"the options are {', '.join(sorted(known | {'concurrency'}))}"
         )
     return AsyncQueueWorker(
-        engine, handler, WorkerOptions(**options), _check_concurrency(concurrency)
+        engine, handler, WorkerOptions.from_kwargs(options), _check_concurrency(concurrency)
     )

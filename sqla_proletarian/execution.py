@@ -144,6 +144,30 @@ def poll_due_jobs(
     return jobs
 
 
+def poll_queues(
+    conn: Connection,
+    queues: tuple[str, ...],
+    now: datetime,
+    limit: int,
+    *,
+    with_runs: bool,
+    excluding: list[uuid.UUID] | None = None,
+) -> list[dict[str, Any]]:
+    """Lock up to ``limit`` due jobs of several queues in the order given: the first queue's
+    (``poll_due_jobs``), then, while fewer than ``limit`` are locked, the next queue's. Each
+    queue is polled on its own range of the poll index."""
+    jobs: list[dict[str, Any]] = []
+    for queue in queues:
+        jobs.extend(
+            poll_due_jobs(
+                conn, queue, now, limit - len(jobs), with_runs=with_runs, excluding=excluding
+            )
+        )
+        if len(jobs) == limit:
+            break
+    return jobs
+
+
 class JobRunner(RunnerBase):
     """Claims and runs jobs one transaction at a time. Thread-safe; shared by worker threads.
 
@@ -387,7 +411,7 @@ class JobRunner(RunnerBase):
             logging.DEBUG,
             "polling-for-jobs",
             worker_id=self.settings.worker_id,
-            queue=self.settings.queue,
+            queue=self.settings.queue_names,
         )
         now = self.now()
         held = ledger.held_jobs(self._database) if self._tracked else []
@@ -395,9 +419,9 @@ class JobRunner(RunnerBase):
         # A job whose earlier run may still be going is left alone, and the poll looks past it.
         for _ in range(3):
             found_held = []
-            for job in poll_due_jobs(
+            for job in poll_queues(
                 conn,
-                self.settings.queue,
+                self.settings.queues,
                 now,
                 self._batch_size,
                 with_runs=self._tracked,
@@ -417,7 +441,7 @@ class JobRunner(RunnerBase):
                 logging.DEBUG,
                 "jobs-held",
                 worker_id=self.settings.worker_id,
-                queue=self.settings.queue,
+                queue=self.settings.queue_names,
                 jobs=len(found_held),
                 hint="an earlier run of these jobs may still be going (its worker lives, or "
                 "lost its session for less than the grace): they run once it has ended",
@@ -448,7 +472,7 @@ class JobRunner(RunnerBase):
         record.begin(conn, job_ids)
         conn.commit()
         self.dialect.begin_claim(conn)
-        reclaim = sql.reclaim(job_ids[0], self.settings.queue, self.now())
+        reclaim = sql.reclaim(job_ids[0], claims[0].job["queue"], self.now())
         again = conn.execute(*reclaim).mappings().first()
         if again is None:
             return []

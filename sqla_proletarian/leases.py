@@ -39,7 +39,7 @@ from sqla_proletarian.errors import (
     idle_transaction_limit,
     is_transient,
 )
-from sqla_proletarian.execution import JobRunner, poll_due_jobs
+from sqla_proletarian.execution import JobRunner, poll_queues
 from sqla_proletarian.handlers import JobContext, JobSession, StopSignal
 from sqla_proletarian.logs import log_event
 from sqla_proletarian.running import (
@@ -475,8 +475,8 @@ class LeaseRunner(RunnerBase):
         runs: list[LeasedRun] = []
         self.dialect.begin_claim(conn)
         try:
-            due = poll_due_jobs(
-                conn, self.settings.queue, now, jobs or self._batch_size, with_runs=self._with_runs
+            due = poll_queues(
+                conn, self.settings.queues, now, jobs or self._batch_size, with_runs=self._with_runs
             )
             for job in due:
                 records = job.pop("runs", 0)

@@ -55,7 +55,9 @@ RUNNING_SIGNAL: ContextVar[threading.Event | None] = ContextVar("running_signal"
 class RunSettings:
     """What a runner needs to know, taken from the worker options."""
 
-    queue: str
+    #: The queues served, in claim order: a queue's jobs are claimed when those before it
+    #: have no due job (or fewer than the batch).
+    queues: tuple[str, ...]
     handler: Callable[..., Any]
     handler_mode: Literal["default", "advanced"]
     retry_strategy: RetryStrategyFn | None
@@ -74,6 +76,11 @@ class RunSettings:
     heartbeat_interval: float | None = None
     #: Lease mode: seconds a job may run before it fails with JobTimeoutError.
     job_timeout: float | None = None
+
+    @property
+    def queue_names(self) -> str:
+        """The queues as logs name them: comma-separated, in claim order."""
+        return ",".join(self.queues)
 
 
 def attempt_of(job: dict[str, Any]) -> int:
@@ -170,21 +177,30 @@ class RunnerBase:
         return check_aware("clock()", self.settings.clock())
 
     def _any_due(self, conn: Connection) -> bool:
-        """Whether a job of the queue is due, read without taking the write lock."""
-        due = sql.due_job(self.settings.queue, self.now(), self.dialect.priority_scan)
-        return read_alone(conn, due) is not None
+        """Whether a job of the queues is due, read without taking the write lock."""
+        now = self.now()
+        return any(
+            self._read_each(conn, lambda queue: sql.due_job(queue, now, self.dialect.priority_scan))
+        )
 
     def next_due(self, conn: Connection) -> datetime | None:
-        """When the queue's earliest job is due (None: no job, or the queue is paused), read
+        """When the queues' earliest job is due (None: no job, or the queues are paused), read
         on the claim's connection without locking anything: an idle worker sleeps until then."""
-        statement = sql.next_due(self.settings.queue, self.dialect.priority_scan)
+        scan = self.dialect.priority_scan
+        rows = self._read_each(conn, lambda queue: sql.next_due(queue, scan))
+        return min((row[0] for row in rows), default=None)
+
+    def _read_each(self, conn: Connection, statement: Callable[[str], sql.Statement]) -> list[Any]:
+        """The rows of one read per queue, in a transaction of their own on ``conn``."""
         try:
-            times = [row[0] for row in conn.execute(*statement)]
+            rows = [
+                row for queue in self.settings.queues for row in conn.execute(*statement(queue))
+            ]
             conn.rollback()
         except BaseException:
             rollback_quietly(conn)
             raise
-        return min(times, default=None)
+        return rows
 
     def _commits(self, conn: Connection) -> int:
         """SQLite's count of other connections' commits to the file, as seen from ``conn``."""

@@ -128,12 +128,15 @@ def _run_until_drained(engine: Engine, worker: QueueWorker) -> None:
 
 
 def any_due(engine: Engine, options: WorkerOptions) -> bool:
-    """Whether a job of the worker's queue is due (running jobs count): what ``burst`` waits
+    """Whether a job of the worker's queues is due (running jobs count): what ``burst`` waits
     for. True while the database is away: the worker waits for it too."""
     try:
         with engine.connect() as conn:
-            due_job = sql.due_job(options.queue, options.clock(), dialect_of(conn).priority_scan)
-            return conn.execute(*due_job).first() is not None
+            now, scan = options.clock(), dialect_of(conn).priority_scan
+            return any(
+                conn.execute(*sql.due_job(queue, now, scan)).first() is not None
+                for queue in options.queues
+            )
     except Exception as exc:
         if not is_transient(exc):
             raise

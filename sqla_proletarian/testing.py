@@ -64,15 +64,16 @@ def drain(
     max_runs: int = DEFAULT_MAX_RUNS,
     **worker_options: Any,
 ) -> int:
-    """Run every due job of the queue in the calling thread; return how many runs ended.
+    """Run every due job of the queue (or queues) in the calling thread; return how many runs
+    ended.
 
     A job retried with a delay that is already over by the ``clock`` runs again within the
     same call; a retry due later stays queued (move a test clock forward and drain again).
-    Jobs the handlers enqueue, once due, run too. Takes the worker options (``queue``,
-    ``handler_mode``, ``retry_strategy``, ``failed_job_handler``, ``clock``, ``serializer``,
-    ``batch_size``, ``max_unclean_ends``, ...; those about threads, polling and signals are
-    checked and ignored) and raises database errors. After ``max_runs`` runs, a further due
-    job raises ``DrainLimitError`` and stays queued as it was.
+    Jobs the handlers enqueue, once due, run too. Takes the worker options (``queue``
+    or ``queues``, ``handler_mode``, ``retry_strategy``, ``failed_job_handler``, ``clock``,
+    ``serializer``, ``batch_size``, ``max_unclean_ends``, ...; those about threads, polling
+    and signals are checked and ignored) and raises database errors. After ``max_runs``
+    runs, a further due job raises ``DrainLimitError`` and stays queued as it was.
     """
     if hasattr(engine, "sync_engine") or (
         isinstance(engine, Engine) and getattr(engine.dialect, "is_async", False)

@@ -57,17 +57,19 @@ def database_key(engine: Engine) -> str:
     return key
 
 
-def register(engine: Engine, queue: str, waker: Any) -> None:
-    """Let enqueues in this process wake ``waker.wake_for_enqueue()`` for ``queue``."""
+def register(engine: Engine, queues: tuple[str, ...], waker: Any) -> None:
+    """Let enqueues in this process wake ``waker.wake_for_enqueue()`` for each of ``queues``."""
     with _LOCK:
-        _WORKERS.setdefault((database_key(engine), queue), weakref.WeakSet()).add(waker)
+        for queue in queues:
+            _WORKERS.setdefault((database_key(engine), queue), weakref.WeakSet()).add(waker)
 
 
-def unregister(engine: Engine, queue: str, waker: Any) -> None:
+def unregister(engine: Engine, queues: tuple[str, ...], waker: Any) -> None:
     with _LOCK:
-        workers = _WORKERS.get((database_key(engine), queue))
-        if workers is not None:
-            workers.discard(waker)
+        for queue in queues:
+            workers = _WORKERS.get((database_key(engine), queue))
+            if workers is not None:
+                workers.discard(waker)
 
 
 def enqueued(conn: Connection, queues: set[str]) -> None:
@@ -112,7 +114,7 @@ def wake_local(database: str, queues: set[str], *, committing: bool) -> None:
 
 
 class Listener:
-    """A thread that LISTENs on PostgreSQL and wakes a worker when its queue gets a job.
+    """A thread that LISTENs on PostgreSQL and wakes a worker when one of its queues gets a job.
 
     Works with psycopg 3 and psycopg2; with other drivers it does not start (polling goes on).
     Reconnects after errors, backing off up to 5 s; ``listening`` says whether it is
@@ -120,14 +122,15 @@ class Listener:
     while it was not.
     """
 
-    def __init__(self, engine: Engine, queue: str, wake: Callable[[], None]) -> None:
+    def __init__(self, engine: Engine, queues: tuple[str, ...], wake: Callable[[], None]) -> None:
         self.engine = engine
-        self.queue = queue
+        self.queues = frozenset(queues)
         self.wake = wake
         self._stop = threading.Event()
         #: True while LISTEN is in effect: a commit then wakes the worker (see ``_listening``).
         self.listening = False
-        self._thread = threading.Thread(target=self._run, name=f"{queue}-listener", daemon=True)
+        name = f"{','.join(queues)}-listener"
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     @staticmethod
     def supported(engine: Engine) -> bool:
@@ -152,7 +155,9 @@ class Listener:
             except Exception as exc:
                 if self._stop.is_set():
                     return
-                log_event(logging.WARNING, "listen-error", queue=self.queue, error=repr(exc))
+                log_event(
+                    logging.WARNING, "listen-error", queue=",".join(self.queues), error=repr(exc)
+                )
                 self._stop.wait(backoff)
                 backoff = min(5.0, backoff * 2)
 
@@ -167,7 +172,7 @@ class Listener:
                 self._listening(True)
                 while not self._stop.is_set():
                     for note in driver.notifies(timeout=0.5, stop_after=1):
-                        if note.payload == self.queue:
+                        if note.payload in self.queues:
                             self.wake()
             else:
                 driver.autocommit = True
@@ -177,7 +182,7 @@ class Listener:
                     if select.select([driver], [], [], 0.5)[0]:
                         driver.poll()
                         notes, driver.notifies[:] = list(driver.notifies), []
-                        if any(note.payload == self.queue for note in notes):
+                        if any(note.payload in self.queues for note in notes):
                             self.wake()
         finally:
             self._listening(False)

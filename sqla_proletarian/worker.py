@@ -102,6 +102,9 @@ class WorkerOptions:
     """A queue worker's options, checked; see create_queue_worker for their meaning."""
 
     queue: str = DEFAULT_QUEUE
+    #: The queues served, in claim order (``queue`` alone when not given; ``queue`` is then
+    #: the first of them).
+    queues: tuple[str, ...] = ()
     worker_threads: int = DEFAULT_WORKER_THREADS
     polling_interval: float = DEFAULT_POLLING_INTERVAL
     retry_strategy: RetryStrategyFn | None = None
@@ -124,7 +127,15 @@ class WorkerOptions:
     job_timeout: float | None = None
 
     def __post_init__(self) -> None:
+        queues = check_queues(self.queues) if self.queues != () else (self.queue,)
         check_name("queue", self.queue)
+        if self.queues != () and self.queue not in (DEFAULT_QUEUE, queues[0]):
+            raise ConfigurationError(
+                f"queue is {self.queue!r} and queues is {list(queues)!r}; give one of them "
+                "(queues=[...] for several queues, claimed in the order given)"
+            )
+        object.__setattr__(self, "queues", queues)
+        object.__setattr__(self, "queue", queues[0])
         _positive_int("worker_threads", self.worker_threads)
         _positive("polling_interval", self.polling_interval)
         _non_negative("await_termination_timeout", self.await_termination_timeout)
@@ -151,7 +162,7 @@ class WorkerOptions:
             )
         check_lease_settings(self.lease_seconds, self.heartbeat_interval, self.job_timeout)
         if self.worker_id is None:
-            object.__setattr__(self, "worker_id", f"proletarian[{self.queue}]")
+            object.__setattr__(self, "worker_id", f"proletarian[{','.join(queues)}]")
         object.__setattr__(self, "periodic_jobs", check_periodic_jobs(self.periodic_jobs))
 
     @classmethod
@@ -164,6 +175,11 @@ class WorkerOptions:
                 f"unknown worker option(s) {', '.join(unknown)}; "
                 f"the options are {', '.join(sorted(known))}"
             )
+        if "queue" in options and "queues" in options:
+            raise ConfigurationError(
+                "both queue and queues were given; give queue='name' for one queue, or "
+                "queues=[...] for several, claimed in the order given"
+            )
         return cls(**options)
 
     def run_settings(self, handler: Callable[..., Any]) -> RunSettings:
@@ -171,7 +187,7 @@ class WorkerOptions:
             raise ConfigurationError(f"the handler is {handler!r}; give a function")
         assert self.worker_id is not None
         return RunSettings(
-            queue=self.queue,
+            queues=self.queues,
             handler=handler,
             handler_mode=self.handler_mode,
             retry_strategy=self.retry_strategy,
@@ -229,6 +245,25 @@ def scheduler_for(dialect: Dialect, options: WorkerOptions) -> Scheduler | None:
     )
 
 
+def check_queues(queues: object) -> tuple[str, ...]:
+    """The ``queues`` option as a tuple: one or more distinct queue names, in claim order."""
+    if isinstance(queues, str) or not isinstance(queues, list | tuple):
+        raise ConfigurationError(
+            f"queues is {queues!r}; give a list of queue names, e.g. queues=['critical', "
+            "'default'] (claimed in that order), or queue='name' for one queue"
+        )
+    if not queues:
+        raise ConfigurationError("queues is empty; give at least one queue name")
+    for name in queues:
+        check_name("queues", name)
+    repeated = sorted({name for name in queues if queues.count(name) > 1})
+    if repeated:
+        raise ConfigurationError(
+            f"queues names {', '.join(repeated)} more than once; give each queue once"
+        )
+    return tuple(queues)
+
+
 def _positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigurationError(f"{name} is {value!r}; give a whole number >= 1")
@@ -247,7 +282,8 @@ def _non_negative(name: str, value: object) -> None:
 
 
 class QueueWorker:
-    """Worker threads that work off one queue. Use start()/stop() or ``with worker:``.
+    """Worker threads that work off one queue, or several in order. Use start()/stop() or
+    ``with worker:``.
 
     A worker runs once: once stopped (by stop() or by itself) it cannot be started again.
     """
@@ -315,15 +351,15 @@ class QueueWorker:
             raise ConfigurationError(f"worker {self.worker_id} was started already")
         if self.options.install_signal_handlers:
             self._install_signal_handlers()
-        wakeups.register(self._engine, self.options.queue, self)
+        wakeups.register(self._engine, self.options.queues, self)
         if not self.options.poll_only and wakeups.Listener.supported(self._engine):
-            self._listener = wakeups.Listener(self._engine, self.options.queue, self.wake)
+            self._listener = wakeups.Listener(self._engine, self.options.queues, self.wake)
             self._listener.start()
         log_event(
             logging.INFO,
             "queue-worker-starting",
             worker_id=self.worker_id,
-            queue=self.options.queue,
+            queue=",".join(self.options.queues),
             worker_threads=self.options.worker_threads,
         )
         self._runner.start_keeping_owner()
@@ -434,7 +470,7 @@ class QueueWorker:
         """The stop itself, done once: wait for the threads, call on_shutdown, let go."""
         try:
             log_event(logging.INFO, "shutting-down", worker_id=self.worker_id)
-            wakeups.unregister(self._engine, self.options.queue, self)
+            wakeups.unregister(self._engine, self.options.queues, self)
             if self._listener is not None:
                 self._listener.stop()
             deadline = time.monotonic() + self.options.await_termination_timeout
@@ -852,7 +888,10 @@ def _require_main_thread() -> None:
 def create_queue_worker(engine: Engine, handler: Callable[..., Any], **options: Any) -> QueueWorker:
     """A QueueWorker for ``engine`` that runs ``handler``; call ``.start()`` to begin.
 
-    Options: ``queue`` ("default"), ``worker_threads`` (1), ``polling_interval`` (0.1 s; a
+    Options: ``queue`` ("default") or ``queues`` (several queue names, claimed in the order
+    given: a queue's jobs are claimed when the queues before it have no due job, or fewer
+    than ``batch_size``; each queue is polled on its own range of the poll index),
+    ``worker_threads`` (1), ``polling_interval`` (0.1 s; a
     positive number, as 0 would poll without pause; one idle thread polls for all of them,
     and while LISTEN wakes the worker it polls when the next job is due, or after
     ``LISTENING_POLL_INTERVAL``), ``retry_strategy``
@@ -893,7 +932,7 @@ def create_queue_worker(engine: Engine, handler: Callable[..., Any], **options: 
 def process_next_job(engine: Engine, handler: Callable[..., Any], **options: Any) -> bool:
     """Run at most one due job of the queue in the calling thread; True if one was run.
 
-    Takes the worker options that apply to one job (``queue``, ``retry_strategy``,
+    Takes the worker options that apply to one job (``queue`` or ``queues``, ``retry_strategy``,
     ``failed_job_handler``, ``handler_mode``, ``worker_id``, ``serializer``, ``clock``,
     ``max_unclean_ends``, ``reconnect_grace``, ``lease_seconds``, ``heartbeat_interval``,
     ``job_timeout``). Database errors are raised to the caller.

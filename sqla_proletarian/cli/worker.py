@@ -30,7 +30,6 @@ from sqla_proletarian.cli.common import (
 )
 from sqla_proletarian.errors import ConfigurationError, ProletarianError
 from sqla_proletarian.handlers import JobHandlers
-from sqla_proletarian.models import DEFAULT_QUEUE
 from sqla_proletarian.retry import RetryStrategy
 from sqla_proletarian.running import RetryStrategyFn
 from sqla_proletarian.supervisor import (
@@ -179,6 +178,12 @@ def _flag_options(args: argparse.Namespace) -> dict[str, Any]:
     """The worker options the command line gave (a flag not given sets nothing)."""
     given = vars(args)
     options = {option: given[name] for name, option in _FLAG_OPTIONS.items() if name in given}
+    queues = options.pop("queue", None)
+    if queues is not None:  # --queue, once or more: the queues in claim order
+        if len(queues) == 1:
+            options["queue"] = queues[0]
+        else:
+            options["queues"] = queues
     if "retry_delays" in given and "retries" not in given:
         raise UsageError("--retry-delays needs --retries N: how many times a job runs again")
     if "retries" in given:
@@ -210,22 +215,32 @@ def worker(args: argparse.Namespace) -> int:
     if args.processes > 1:
         return _supervise(args, _url(args))
     handler = load_handler(args.handler)
-    options = {**load_worker_options(args.handler), **flags}
+    module_options = load_worker_options(args.handler)
+    if "queue" in flags or "queues" in flags:  # --queue overrides the module's queue(s)
+        module_options = {k: v for k, v in module_options.items() if k not in _QUEUE_OPTIONS}
+    options = {**module_options, **flags}
     periodic = load_periodic_jobs(args.handler)
     if periodic:
         options["periodic_jobs"] = periodic
-    queue = options.get("queue", DEFAULT_QUEUE)
+    checked = WorkerOptions.from_kwargs(options)
     if args.process_index is not None:
-        options["worker_id"] = f"proletarian[{queue}]#{args.process_index}"
-    threads = WorkerOptions.from_kwargs(options).worker_threads
+        options["worker_id"] = f"proletarian[{','.join(checked.queues)}]#{args.process_index}"
+    # A queue named (by --queue or worker_options) that never held a job is most likely
+    # misspelt: said once (by the first of several processes).
+    named = checked.queues if _QUEUE_OPTIONS & set(options) else ()
+    named = named if args.process_index in (None, 0) else ()
     if args.report_fd is not None:
         stop_with_supervisor()
+    threads = checked.worker_threads
     if is_async_handler(handler):
+        if named:
+            with _database(args) as engine:
+                _check_tables(engine)
+                _warn_if_unknown(engine, named)
         return _run_async(args, handler, options, threads)
     with _database(args, pool_size=2 * threads + 2) as engine:
         _check_tables(engine)
-        if "queue" in options and args.process_index in (None, 0):
-            warn_if_unknown_queue(engine, "worker", queue)
+        _warn_if_unknown(engine, named)
         done = run_worker(
             engine,
             handler,
@@ -235,6 +250,15 @@ def worker(args: argparse.Namespace) -> int:
             **options,
         )
     return _ended(args, done)
+
+
+#: The worker options that name the queues served.
+_QUEUE_OPTIONS = frozenset({"queue", "queues"})
+
+
+def _warn_if_unknown(engine: Any, queues: tuple[str, ...]) -> None:
+    for queue in queues:
+        warn_if_unknown_queue(engine, "worker", queue)
 
 
 def _run_async(
@@ -283,6 +307,8 @@ def _supervise(args: argparse.Namespace, url: URL) -> int:
 
 def _flag(name: str, value: object) -> list[str]:
     """A flag given to the supervisor, as its worker processes' command lines give it."""
+    if isinstance(value, list):  # a repeated flag (--queue)
+        return [word for each in value for word in _flag(name, each)]
     if isinstance(value, tuple):
         text = ",".join(map(repr, value))
     else:
@@ -324,7 +350,14 @@ WORKER_ARGUMENTS = (
         "that returns it (imported from the current directory or PYTHONPATH); async def "
         "handlers run in the asyncio worker",
     ),
-    arg("--queue", default=_UNSET, metavar="Q", help="the queue to work off (default)"),
+    arg(
+        "--queue",
+        action="append",
+        default=_UNSET,
+        metavar="Q",
+        help="the queue to work off (default); repeat it for several queues, claimed in the "
+        "order given (a queue's jobs when the queues before it have none due)",
+    ),
     arg(
         "--threads",
         type=int,
@@ -411,7 +444,7 @@ WORKER_ARGUMENTS = (
         help="a job whose runs ended unclean (its worker died) N times is failed for good; "
         f"off: crash accounting off ({DEFAULT_MAX_UNCLEAN_ENDS})",
     ),
-    arg("--burst", action="store_true", help="stop once no job of the queue is due"),
+    arg("--burst", action="store_true", help="stop once no job of the queues is due"),
     # Between the supervisor and its worker processes (see sqla_proletarian.supervisor).
     arg("--report-fd", type=int, help=argparse.SUPPRESS),
     arg("--process-index", type=int, help=argparse.SUPPRESS),
@@ -441,7 +474,7 @@ with --processes N (N > 1), the supervisor's:
 WORKER = Command(
     "worker",
     "run a queue worker until SIGTERM/SIGINT (or, with --burst, until the queue is drained)",
-    f"{PROG} worker tasks:handlers --queue emails --threads 4 --processes 2",
+    f"{PROG} worker tasks:handlers --queue critical --queue emails --threads 4 --processes 2",
     WORKER_ARGUMENTS,
     worker,
     WORKER_DETAILS
