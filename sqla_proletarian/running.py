@@ -302,12 +302,24 @@ class RunnerBase:
             return None
 
     def _finished(self, job: dict[str, Any], outcome: Outcome, failure: Failure | None) -> None:
-        """After the commit: count the outcome and call the failed-job handler."""
+        """After the commit: count the outcome, log a failure for good (``job-failed``, with
+        the traceback the archive keeps) and call the failed-job handler."""
         if self._on_outcome is not None:
             self._on_outcome(outcome)
-        if failure is None or self.settings.failed_job_handler is None:
+        if failure is None:
             return
         context, exc = failure
+        log_event(
+            logging.ERROR,
+            "job-failed",
+            **self._fields(job),
+            error=repr(exc),
+            traceback=describe(exc),
+            hint="archived as failed: `sqla-proletarian failed` lists it, `retry-failed` "
+            "puts it back in the queue",
+        )
+        if self.settings.failed_job_handler is None:
+            return
         try:
             self.settings.failed_job_handler(context, exc)
         except Exception as error:

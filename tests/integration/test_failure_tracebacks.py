@@ -88,6 +88,10 @@ def test_a_failure_in_a_helper_keeps_the_handlers_frames_the_innermost_and_the_s
     [record] = events(caplog.records, "handle-job-exception")
     assert record.traceback == error
     assert "\n" not in record.getMessage() and "JSONDecodeError" in record.getMessage()
+    # Archived as failed: job-failed, once, with the same traceback.
+    [failed] = events(caplog.records, "job-failed")
+    assert (failed.levelno, failed.traceback, failed.job_id) == (logging.ERROR, error, job_id)
+    assert "\n" not in failed.getMessage() and "JSONDecodeError" in failed.getMessage()
 
 
 def test_a_retried_run_logs_its_traceback_too(
@@ -105,6 +109,9 @@ def test_a_retried_run_logs_its_traceback_too(
 
     tracebacks = [r.traceback for r in events(caplog.records, "handle-job-exception")]
     assert len(tracebacks) == 2
+    # Only the run that failed for good logs job-failed.
+    [failed] = events(caplog.records, "job-failed")
+    assert failed.traceback == tracebacks[1] and failed.attempt == 2
     assert all(f'File "{__file__}"' in text and "in _read_settings" in text for text in tracebacks)
 
 
