@@ -49,7 +49,7 @@ LOGIN_FORM = """<!doctype html><title>Log in</title>
 def create_app(database_url: str) -> FastAPI:
     """The app, with the dashboard of ``database_url``'s queues under /admin/queue."""
     engine = sa.create_engine(database_url)
-    sp.metadata.create_all(engine)  # in production: the migrations (README, "Migrations")
+    sp.metadata.create_all(engine)  # in production: the migrations (docs/howto/alembic.md)
     password = os.environ.get("ADMIN_PASSWORD", "admin")
     app = FastAPI()
 

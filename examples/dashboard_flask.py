@@ -45,7 +45,7 @@ def create_app(database_url: str | None = None) -> Flask:
     app.secret_key = os.environ.get("SECRET_KEY") or os.urandom(32)
     url = database_url or os.environ.get("DATABASE_URL") or _sqlite_url()
     engine = sa.create_engine(url)
-    sp.metadata.create_all(engine)  # in production: the migrations (README, "Migrations")
+    sp.metadata.create_all(engine)  # in production: the migrations (docs/howto/alembic.md)
     password = os.environ.get("ADMIN_PASSWORD", "admin")
 
     @app.route("/login", methods=["GET", "POST"])

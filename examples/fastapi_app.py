@@ -26,7 +26,7 @@ What is particular to FastAPI and asyncio:
   the job's own transaction, so marking the user welcomed commits with the job, or not at
   all;
 * the library's tables are on their own MetaData (``sp.metadata``); here the lifespan
-  creates them, in production use the migrations (the README's "Migrations" section).
+  creates them, in production use the migrations (docs/howto/alembic.md).
 """
 
 from __future__ import annotations

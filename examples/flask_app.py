@@ -105,7 +105,7 @@ def create_app(database_url: str | None = None) -> Flask:
     app = Flask(__name__)
     engine = sa.create_engine(database_url or default_database_url())
     # For the example only; a real application creates its tables with migrations
-    # (see the README's "Migrations" section for the library's own tables).
+    # (see docs/howto/alembic.md for the library's own tables).
     Base.metadata.create_all(engine)
     sp.metadata.create_all(engine)
 

@@ -21,8 +21,8 @@ What is particular to Flask-SQLAlchemy:
   the session when the request ends, so whatever a view did not commit (a view that aborts
   or raises) is rolled back, the job included;
 * the library's tables are on their own MetaData (``sp.metadata``), not on ``db.metadata``,
-  so ``db.create_all()`` does not create them: install them with the migrations (the
-  README's "Migrations" section) or ``sp.metadata.create_all(db.engine)``;
+  so ``db.create_all()`` does not create them: install them with the migrations
+  (docs/howto/alembic.md) or ``sp.metadata.create_all(db.engine)``;
 * the worker takes ``db.engine`` (inside an app context) and opens its own connections;
   handlers write through ``job.session``, a plain Session in the job's own transaction, with
   the same ``db.Model`` classes.

@@ -1,10 +1,10 @@
 """MkDocs hook: links from a docs page to a file of the repository outside ``docs/``.
 
-The pages link to ``../README.md#...`` and ``../examples/*.py``, which work where the
-repository is read (GitHub, an editor) but are not pages of the site. On the site such a
-link points to the file in the repository when ``repo_url`` is set in mkdocs.yml, and
-otherwise becomes its plain text, so ``mkdocs build --strict`` still fails on every other
-broken link.
+The pages link to ``../examples/*.py``, ``../../benchmarks/results.md`` and the like, which
+work where the repository is read (GitHub, an editor) but are not pages of the site. On the
+site such a link points to the file in the repository when ``repo_url`` is set in
+mkdocs.yml, and otherwise becomes its plain text, so ``mkdocs build --strict`` still fails on
+every other broken link.
 
 The generated reference of the package (``reference/python/package.md``) must document every
 name of ``sqla_proletarian.__all__``: a name it misses fails the build.

@@ -78,8 +78,8 @@ def library_differences(engine: sa.Engine) -> list[Any]:
 
 
 def app_project(root: Path) -> Config:
-    """An app's Alembic project that adds the library's version location, as the README
-    says to."""
+    """An app's Alembic project that adds the library's version location, as
+    docs/howto/alembic.md says to."""
     (root / "migrations" / "versions").mkdir(parents=True)
     (root / "migrations" / "env.py").write_text(APP_ENV)
     (root / "migrations" / "versions" / "app_0001.py").write_text(APP_REVISION)

@@ -25,9 +25,8 @@ The convention (what a page may contain):
   ``WRITABLE`` (a typo fails the page).
 - Any other block (no language, or another language without a file marker) fails the page.
 
-README.md follows the same rules for its shell blocks only: its Python blocks are excerpts of
-the tour (tests/integration/test_examples.py runs its complete example), and its other blocks
-show output or files.
+README.md follows the same rules for its shell blocks only: its one Python block is the
+tour's example (tests/integration/test_examples.py runs it), and its other blocks show output.
 
 Each page runs in a subprocess of its own (``page_runner.py``), so pages cannot see each
 other's modules, engines or threads. A failure names the page and the line of the block.

@@ -25,7 +25,7 @@ import sqla_proletarian as sp
 if TYPE_CHECKING:
     from conftest import Database
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+TESTING_PAGE = Path(__file__).resolve().parents[2] / "docs" / "howto" / "testing.md"
 
 #: The SQLite backend alone, when the run covers it (for tests of the pysqlite recipe).
 SQLITE_ONLY = pytest.mark.parametrize(
@@ -319,24 +319,27 @@ def test_queue_worker_on_a_recipe_engine_runs_and_archives_committed_jobs(
     assert count(recipe_engine, Note) == 3
 
 
-# --- the README's "Testing your app" ----------------------------------------------------------
+# --- docs/howto/testing.md, "Tests in a rolled-back transaction" ------------------------------
 
 
-def readme_testing_blocks() -> list[str]:
-    """The two python blocks after the README's "runs the next two code blocks" marker."""
-    text = README.read_text(encoding="utf-8")
+def rolled_back_test_files() -> dict[str, str]:
+    """The python blocks of docs/howto/testing.md written to ``rollback/NAME`` (its
+    ``<!-- file: rollback/NAME -->`` markers), after its "runs the next two code blocks"
+    marker, by file name."""
+    text = TESTING_PAGE.read_text(encoding="utf-8")
     marker = text.index("test_app_integrations.py runs the next two code blocks")
-    blocks = re.compile(r"```python\n(.*?)```", re.DOTALL).findall(text, marker)
-    return blocks[:2]
+    block = re.compile(r"<!-- file: rollback/(\S+) -->\n```python\n(.*?)```", re.DOTALL)
+    return {name: body for name, body in block.findall(text, marker)}
 
 
-def test_readme_testing_fixtures_roll_back_the_tests_committed_job(
+def test_docs_testing_fixtures_roll_back_the_tests_committed_job(
     database: Database, tmp_path: Path
 ) -> None:
-    """The README's conftest.py and test file, run by pytest as written (the database URL
-    aside): the test passes, and its committed job is gone afterwards."""
-    conftest, test_module = readme_testing_blocks()
-    assert conftest.startswith("# conftest.py\n") and test_module.startswith("# test_signup.py")
+    """The testing page's conftest.py and test file, run by pytest as written (the database
+    URL aside): the test passes, and its committed job is gone afterwards."""
+    files = rolled_back_test_files()
+    assert sorted(files) == ["conftest.py", "test_signup.py"]
+    conftest, test_module = files["conftest.py"], files["test_signup.py"]
     url = database.url.render_as_string(hide_password=False)
     default = 'DATABASE_URL = "sqlite:///test.db"'
     assert default in conftest

@@ -326,8 +326,9 @@ def user_metadata() -> sa.MetaData:
 def user_project(root: Path, *, calls_helpers: bool, library_location: bool) -> Config:
     """Write a user's Alembic project under ``root`` and return its config.
 
-    ``library_location`` adds the library's versions to ``version_locations`` exactly as the
-    README says; ``calls_helpers`` makes the user's revision call create_tables/drop_tables.
+    ``library_location`` adds the library's versions to ``version_locations`` exactly as
+    docs/howto/alembic.md says; ``calls_helpers`` makes the user's revision call
+    create_tables/drop_tables.
     """
     (root / "migrations" / "versions").mkdir(parents=True)
     (root / "migrations" / "env.py").write_text(USER_ENV)
