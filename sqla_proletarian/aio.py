@@ -35,26 +35,14 @@ from sqlalchemy.util import await_only, greenlet_spawn
 from sqla_proletarian import wakeups
 from sqla_proletarian.dialects import dialect_of
 from sqla_proletarian.enqueue import _not_a_transaction, enqueue, enqueue_many
-from sqla_proletarian.errors import (
-    ConfigurationError,
-    NotATransactionError,
-    ProletarianError,
-    is_transient,
-    polling_error_hint,
-)
+from sqla_proletarian.errors import ConfigurationError, NotATransactionError, ProletarianError
 from sqla_proletarian.handlers import AsyncJobContext, JobContext, JobSession, StopSignal
 from sqla_proletarian.leases import LeaseRunner, LeaseSession, new_runner
 from sqla_proletarian.logs import log_event
+from sqla_proletarian.polling import Backoff, Idle, Poll, Polling, Stop
 from sqla_proletarian.running import RUNNING_SIGNAL, Outcome, RunSettings
 from sqla_proletarian.values import DEFAULT_QUEUE
-from sqla_proletarian.worker import (
-    WorkerOptions,
-    _check_pool,
-    listening_pause,
-    polling_pause,
-    scheduler_for,
-    transient_backoff,
-)
+from sqla_proletarian.worker import WorkerOptions, _check_pool, scheduler_for
 
 #: Tasks running jobs at the same time.
 DEFAULT_CONCURRENCY = 1
@@ -268,8 +256,6 @@ class AsyncQueueWorker:
         self._counts: dict[Outcome, int] = {"succeeded": 0, "retried": 0, "failed": 0}
         self._wakeup = asyncio.Event()
         self._stopped = asyncio.Event()
-        #: Short waits left after an in-process wake-up (the enqueue may not be visible yet).
-        self._burst = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._shutdown: asyncio.Task[None] | None = None
@@ -279,12 +265,18 @@ class AsyncQueueWorker:
         #: Lease mode: the tasks running handlers (a handler's stop() only asks for it).
         self._handler_tasks: set[asyncio.Future[Any]] = set()
         #: Transaction mode: one idle task at a time (the watcher) polls; the others wait for
-        #: ``_woken``, set (and replaced) at each wake-up. Lease mode: each task polls.
-        self._shared_idle = options.lease_seconds is None
+        #: ``_woken``, set (and replaced) at each wake-up. Lease mode: each task polls, and
+        #: waits for ``_wakeup``.
         self._woken = asyncio.Event()
-        self._watcher: asyncio.Task[Any] | None = None
-        if self._shared_idle:
-            self._runner.on_claim = self._end_watch
+        self._polling = Polling(
+            options,
+            self._runner,
+            self._scheduler,
+            current=asyncio.current_task,
+            wake_all=self._wake_all,
+            listener=lambda: self._listener,
+            await_result=await_only,
+        )
 
     def _settings(self, settings: RunSettings) -> RunSettings:
         """The run settings with the user's functions wrapped: advanced-mode handlers and the
@@ -421,8 +413,7 @@ class AsyncQueueWorker:
         self._call_soon(self._woken_by_enqueue, committing)
 
     def _woken_by_enqueue(self, committing: bool) -> None:
-        if committing:
-            self._burst = len(wakeups.BURST)
+        self._polling.enqueued(committing)
         self._wake_all()
 
     def _wake_all(self) -> None:
@@ -430,13 +421,6 @@ class AsyncQueueWorker:
         self._woken.set()
         self._woken = asyncio.Event()
         self._wakeup.set()
-
-    def _end_watch(self) -> None:
-        """The current task claimed jobs or ends: if it was the watcher, every idle task
-        polls (more jobs may be due), and the first to find the queue empty watches next."""
-        if self._watcher is not None and self._watcher is asyncio.current_task():
-            self._watcher = None
-            self._wake_all()
 
     def _call_soon(self, callback: Callable[..., object], *args: Any) -> None:
         loop = self._loop
@@ -571,67 +555,27 @@ class AsyncQueueWorker:
             self._stop_itself(exc)
 
     async def _poll(self) -> None:
-        """Claim and run jobs until the worker stops, holding the task's connections."""
-        runner = self._runner
-        backoff = 0.0
-        connections: Any = None
+        """Claim and run jobs until the worker stops, holding the task's connections: each
+        step of the poll loop (see ``polling``) runs in a greenlet, and the task waits."""
+        poll = Poll(self._polling)
         try:
             while not self._stopping.is_set():
                 woken = self._woken  # before the poll: a wake-up during it is not missed
-                try:
-                    if connections is None:
-                        connections = await greenlet_spawn(runner.open_connections)
-                    if self._scheduler is not None:
-                        await greenlet_spawn(self._scheduler.tick, connections.conn)
-                    ran = await greenlet_spawn(runner.process_one, connections)
-                    pause = None if ran else await self._idle_pause(connections)
-                    backoff = 0.0
-                except Exception as exc:
-                    if connections is not None:
-                        await greenlet_spawn(connections.close)
-                        connections = None
-                    if is_transient(exc):
-                        backoff, pause = transient_backoff(self.worker_id, exc, backoff)
+                match await greenlet_spawn(poll.step):
+                    case Backoff(pause):
                         await _wait(self._stopping, pause)
-                        continue
-                    if await self._polling_error(exc):
-                        self._stop_itself(exc)
+                    case Idle(pause):
+                        await self._idle(woken, pause)
+                    case Stop(error):
+                        self._stop_itself(error)
                         return
-                    await self._idle(woken, self._own_pause())
-                    continue
-                if not ran:
-                    await self._idle(woken, pause)
         finally:
-            self._end_watch()
-            if connections is not None:
-                await greenlet_spawn(connections.close)
-
-    def _own_pause(self) -> float:
-        """The pause of a task that polls on its own (see ``polling_pause``)."""
-        self._burst, pause = polling_pause(self._burst, self.options.polling_interval)
-        return pause
-
-    async def _idle_pause(self, connections: Any) -> float | None:
-        """After an empty poll: how long this task waits before polling again, or None to
-        wait for a wake-up while another idle task, the watcher, polls for all of them."""
-        if not self._shared_idle:
-            return self._own_pause()
-        task = asyncio.current_task()
-        if self._watcher is None:
-            self._watcher = task
-        elif self._watcher is not task:
-            return None
-        listener = self._listener
-        if self._burst or listener is None or not listener.listening:
-            return self._own_pause()
-        return await greenlet_spawn(
-            listening_pause, self.options, self._scheduler, self._runner, connections.conn
-        )
+            await greenlet_spawn(poll.end)
 
     async def _idle(self, woken: asyncio.Event, pause: float | None) -> None:
         """Wait after an empty poll, for ``pause`` seconds (None: no limit); a wake-up since
         the poll began (``woken`` is set), or stop(), ends the wait early."""
-        if not self._shared_idle:
+        if not self._polling.shared_idle:
             assert pause is not None
             await _wait(self._wakeup, pause)
             if not self._stopping.is_set():
@@ -641,29 +585,6 @@ class AsyncQueueWorker:
             await woken.wait()
         else:
             await _wait(woken, pause)
-
-    async def _polling_error(self, exc: Exception) -> bool:
-        """Hand a non-transient polling error to on_polling_error; True means stop."""
-        log_event(
-            logging.ERROR,
-            "polling-error",
-            worker_id=self.worker_id,
-            error=repr(exc),
-            hint=polling_error_hint(exc),
-        )
-        try:
-            result = self.options.on_polling_error(exc)
-            if inspect.isawaitable(result):
-                result = await result
-            return bool(result)
-        except Exception as error:
-            log_event(
-                logging.ERROR,
-                "polling-error-handler-error",
-                worker_id=self.worker_id,
-                error=repr(error),
-            )
-            return True
 
 
 class _Listener:

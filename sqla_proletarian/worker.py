@@ -7,7 +7,6 @@ import contextlib
 import logging
 import os
 import queue
-import random
 import signal
 import sys
 import threading
@@ -17,42 +16,26 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Literal, NoReturn
 
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Engine
 from sqlalchemy.pool import QueuePool
 
 from sqla_proletarian import ledger, wakeups
 from sqla_proletarian.dialects import Dialect, dialect_of
-from sqla_proletarian.errors import (
-    ConfigurationError,
-    is_transient,
-    polling_error_hint,
-    transient_hint,
-)
+from sqla_proletarian.errors import ConfigurationError
 from sqla_proletarian.feeder import Feeder
-from sqla_proletarian.leases import LeaseConnections, LeaseRunner, check_lease_settings, new_runner
+from sqla_proletarian.leases import LeaseRunner, check_lease_settings, new_runner
 from sqla_proletarian.logs import log_event
 from sqla_proletarian.models import DEFAULT_QUEUE
 from sqla_proletarian.periodic import PeriodicJob, Scheduler, check_periodic_jobs
-from sqla_proletarian.running import (
-    FailedJobHandler,
-    Outcome,
-    RetryStrategyFn,
-    RunnerBase,
-    RunSettings,
-)
+from sqla_proletarian.polling import LISTENING_POLL_INTERVAL as LISTENING_POLL_INTERVAL
+from sqla_proletarian.polling import Backoff, Feed, Idle, Poll, Polling, Stop
+from sqla_proletarian.running import FailedJobHandler, Outcome, RetryStrategyFn, RunSettings
 from sqla_proletarian.serialization import DEFAULT_SERIALIZER, Serializer
 from sqla_proletarian.values import Clock, check_name, utc_now
 
 DEFAULT_WORKER_THREADS = 1
 #: Seconds to wait before polling again once the queue is drained.
 DEFAULT_POLLING_INTERVAL = 0.1
-#: Seconds an idle worker waits between polls while LISTEN/NOTIFY wakes it (PostgreSQL,
-#: transaction mode), unless a job is due sooner: a committed job wakes it at once, and a job
-#: scheduled for later (a retry, an expired lease) wakes it when due, so this is only a safety
-#: net for what no notification announces. Never shorter than ``polling_interval``.
-LISTENING_POLL_INTERVAL = 10.0
-#: Seconds an idle worker sleeps past a job's due time, so that its poll finds it due.
-DUE_MARGIN = 0.002
 #: Seconds stop() waits for running jobs to finish.
 DEFAULT_AWAIT_TERMINATION_TIMEOUT = 10.0
 #: Runs of one job that may end uncleanly (worker died) before it is archived as failed.
@@ -64,32 +47,8 @@ DEFAULT_RECONNECT_GRACE = ledger.OWNER_GRACE
 DEFAULT_BATCH_SIZE = 1
 #: Largest batch_size accepted.
 MAX_BATCH_SIZE = 1000
-#: Longest pause between attempts to poll while the database is unreachable.
-MAX_TRANSIENT_BACKOFF = 5.0
-
-#: The first pause after a transient error; each further one doubles, up to the maximum.
-MIN_TRANSIENT_BACKOFF = 0.05
 
 PollingErrorHandler = Callable[[Exception], object]
-
-
-def next_backoff(previous: float) -> float:
-    """The pause after a transient error, given the previous one (0 after a success)."""
-    return min(MAX_TRANSIENT_BACKOFF, max(MIN_TRANSIENT_BACKOFF, previous * 2))
-
-
-def transient_backoff(worker_id: str, exc: Exception, backoff: float) -> tuple[float, float]:
-    """Log a transient polling error; the next backoff, and the jittered pause to take now."""
-    backoff = next_backoff(backoff)
-    log_event(
-        logging.WARNING,
-        "transient-polling-error",
-        worker_id=worker_id,
-        error=repr(exc),
-        retry_in=round(backoff, 3),
-        hint=transient_hint(exc),
-    )
-    return backoff, backoff * random.uniform(0.5, 1.0)
 
 
 def _stop_on_polling_error(exc: Exception) -> bool:
@@ -204,34 +163,6 @@ class WorkerOptions:
         )
 
 
-def polling_pause(burst: int, polling_interval: float) -> tuple[int, float]:
-    """The pause of an idle poller, and the short waits left after it: after an in-process
-    wake-up (``burst`` waits left) the next of ``wakeups.BURST``, else the polling interval."""
-    if burst:
-        return burst - 1, wakeups.BURST[len(wakeups.BURST) - burst]
-    return 0, polling_interval
-
-
-def listening_pause(
-    options: WorkerOptions, scheduler: Scheduler | None, runner: RunnerBase, conn: Connection
-) -> float:
-    """The pause of an idle watcher that LISTEN/NOTIFY wakes for every committed job: until
-    the queue's next job (read on ``conn``) or periodic occurrence is due, at most
-    ``LISTENING_POLL_INTERVAL``, at least the polling interval once a job is due."""
-    interval = options.polling_interval
-    pause = max(LISTENING_POLL_INTERVAL, interval)
-    if scheduler is not None:
-        look = scheduler.next_look()
-        if look is not None:
-            pause = min(pause, max(look, interval))
-    due = runner.next_due(conn)
-    if due is not None:
-        wait = (due - runner.now()).total_seconds()
-        # Due already (running in another transaction, or held): poll as usual.
-        pause = min(pause, wait + DUE_MARGIN if wait > 0 else interval)
-    return float(pause)
-
-
 def scheduler_for(dialect: Dialect, options: WorkerOptions) -> Scheduler | None:
     """What enqueues a worker's periodic jobs, if it has any."""
     if not options.periodic_jobs:
@@ -307,17 +238,20 @@ class QueueWorker:
         self._counts: dict[Outcome, int] = {"succeeded": 0, "retried": 0, "failed": 0}
         self._counts_lock = threading.Lock()
         self._wakeup = threading.Event()
-        #: Short waits left after an in-process wake-up (the enqueue may not be visible yet).
-        self._burst = 0
         #: Transaction mode: one idle thread at a time (the watcher) polls; the others wait on
-        #: ``_idle_threads`` until ``_wakes`` (a count of wake-ups) moves on. Lease mode: each
-        #: idle thread polls on its own.
-        self._shared_idle = options.lease_seconds is None
+        #: ``_idle_threads`` until ``_wakes`` (a count of wake-ups) moves on. Lease mode: the
+        #: poller waits on ``_wakeup``.
         self._idle_threads = threading.Condition()
         self._wakes = 0
-        self._watcher: threading.Thread | None = None
-        if self._shared_idle:
-            self._runner.on_claim = self._end_watch
+        self._polling = Polling(
+            options,
+            self._runner,
+            self._scheduler,
+            current=threading.current_thread,
+            wake_all=self._wake_all,
+            listener=lambda: self._listener,
+            guard=self._idle_threads,
+        )
         self._engine = engine
         self._listener: wakeups.Listener | None = None
         self._stopped = threading.Event()
@@ -417,8 +351,7 @@ class QueueWorker:
     def wake_for_enqueue(self, committing: bool) -> None:
         """A job of this worker's queue was enqueued in this process and its transaction is
         committing: poll now, and again a few times shortly after, until the commit shows."""
-        if committing:
-            self._burst = len(wakeups.BURST)
+        self._polling.enqueued(committing)
         self._wake_all()
 
     @property
@@ -543,63 +476,28 @@ class QueueWorker:
 
     def _poll(self) -> None:
         """Claim and run jobs until the worker stops, holding the thread's connections."""
-        backoff = 0.0
-        connections: Any = None
+        self._loop(Poll(self._polling))
+
+    def _loop(self, poller: Poll | Feed) -> None:
+        """Step ``poller`` until the worker stops, waiting as each step says."""
         try:
             while not self._stopping.is_set():
                 wakes = self._wakes  # before the poll: a wake-up during it is not missed
-                try:
-                    if connections is None:
-                        connections = self._runner.open_connections()
-                    if self._scheduler is not None:
-                        self._scheduler.tick(connections.conn)
-                    ran = self._runner.process_one(connections)
-                    pause = None if ran else self._idle_pause(connections)
-                    backoff = 0.0
-                except Exception as exc:
-                    if connections is not None:
-                        connections.close()
-                        connections = None
-                    if is_transient(exc):
-                        backoff, pause = transient_backoff(self.worker_id, exc, backoff)
+                match poller.step():
+                    case Backoff(pause):
                         self._stopping.wait(pause)
-                        continue
-                    if self._polling_error(exc):
-                        self._stop_itself(exc)
+                    case Idle(pause):
+                        self._idle(wakes, pause)
+                    case Stop(error):
+                        self._stop_itself(error)
                         return
-                    self._idle(wakes, self._own_pause())
-                    continue
-                if not ran:
-                    self._idle(wakes, pause)
         finally:
-            self._end_watch()
-            if connections is not None:
-                connections.close()
-
-    def _own_pause(self) -> float:
-        """The pause of a thread that polls on its own (see ``polling_pause``)."""
-        self._burst, pause = polling_pause(self._burst, self.options.polling_interval)
-        return pause
-
-    def _idle_pause(self, connections: Any) -> float | None:
-        """After an empty poll: how long this thread waits before polling again, or None to
-        wait for a wake-up while another idle thread, the watcher, polls for all of them."""
-        if not self._shared_idle:
-            return self._own_pause()
-        with self._idle_threads:
-            if self._watcher is None:
-                self._watcher = threading.current_thread()
-            elif self._watcher is not threading.current_thread():
-                return None
-        listener = self._listener
-        if self._burst or listener is None or not listener.listening:
-            return self._own_pause()
-        return listening_pause(self.options, self._scheduler, self._runner, connections.conn)
+            poller.end()
 
     def _idle(self, wakes: int, pause: float | None) -> None:
-        """Wait after an empty poll, for ``pause`` seconds (None: no limit); a wake-up since
-        the poll began (``wakes`` moved on), or stop(), ends the wait early."""
-        if not self._shared_idle:
+        """Wait for ``pause`` seconds (None: no limit); stop(), or a wake-up since the poll
+        began (``wakes`` moved on; lease mode: ``_wakeup`` is set), ends the wait early."""
+        if not self._polling.shared_idle:
             assert pause is not None
             self._wakeup.wait(pause)
             if not self._stopping.is_set():
@@ -619,15 +517,6 @@ class QueueWorker:
             self._wakes += 1
             self._idle_threads.notify_all()
         self._wakeup.set()
-
-    def _end_watch(self) -> None:
-        """The calling thread claimed jobs or ends: if it was the watcher, every idle thread
-        polls (more jobs may be due), and the first to find the queue empty watches next."""
-        with self._idle_threads:
-            if self._watcher is threading.current_thread():
-                self._watcher = None
-                self._wakes += 1
-                self._idle_threads.notify_all()
 
     # --- lease mode: one poller feeds the threads -----------------------------------------
 
@@ -657,77 +546,8 @@ class QueueWorker:
 
     def _feed(self, feeder: Feeder) -> None:
         """Lease mode's poller: claim jobs into the threads' queue while they have room;
-        with the queue drained, wait alone (see _drained_pause)."""
-        backoff = 0.0
-        connections = feeder.runner.open_connections()
-        try:
-            while not self._stopping.is_set():
-                # A thread that becomes free wakes it.
-                pause, claimed = LISTENING_POLL_INTERVAL, False
-                try:
-                    if feeder.room():
-                        if self._scheduler is not None:
-                            self._scheduler.tick(connections.conn)
-                        claimed = feeder.claim(connections) > 0
-                        if not claimed:
-                            pause = self._drained_pause(feeder, connections)
-                    else:
-                        connections.release()
-                    backoff = 0.0
-                except Exception as exc:
-                    connections.close()
-                    if is_transient(exc):
-                        backoff, pause = transient_backoff(self.worker_id, exc, backoff)
-                        self._stopping.wait(pause)
-                        continue
-                    if self._polling_error(exc):
-                        self._stop_itself(exc)
-                        return
-                    pause = self.options.polling_interval
-                if claimed and feeder.room():
-                    continue  # a thread is still free: claim again now
-                self._wakeup.wait(pause)
-                if not self._stopping.is_set():
-                    self._wakeup.clear()
-        finally:
-            connections.close()
-            feeder.end()
-
-    def _drained_pause(self, feeder: Feeder, connections: LeaseConnections) -> float:
-        """How long the poller of a drained queue waits: a few short waits after an
-        in-process enqueue; else as a listening watcher (listening_pause) with LISTEN, the
-        polling interval without; never past the queue's next due time (a scheduled job,
-        an expiring lease)."""
-        interval = self.options.polling_interval
-        if self._burst:
-            self._burst, pause = polling_pause(self._burst, interval)
-            return pause
-        if self._listener is not None:
-            return listening_pause(self.options, self._scheduler, feeder.runner, connections.conn)
-        due_in = feeder.next_due_in(connections)
-        if due_in is None:
-            return interval
-        return min(interval, due_in + DUE_MARGIN if due_in > 0 else interval)
-
-    def _polling_error(self, exc: Exception) -> bool:
-        """Hand a non-transient polling error to on_polling_error; True means stop."""
-        log_event(
-            logging.ERROR,
-            "polling-error",
-            worker_id=self.worker_id,
-            error=repr(exc),
-            hint=polling_error_hint(exc),
-        )
-        try:
-            return bool(self.options.on_polling_error(exc))
-        except Exception as error:
-            log_event(
-                logging.ERROR,
-                "polling-error-handler-error",
-                worker_id=self.worker_id,
-                error=repr(error),
-            )
-            return True
+        with the queue drained, wait alone (see ``polling.Feed``)."""
+        self._loop(Feed(self._polling, feeder))
 
     # --- signals --------------------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
 import itertools
 
-from sqla_proletarian.worker import MAX_TRANSIENT_BACKOFF, MIN_TRANSIENT_BACKOFF, next_backoff
+from sqla_proletarian.polling import MAX_TRANSIENT_BACKOFF, MIN_TRANSIENT_BACKOFF, next_backoff
 
 
 def test_the_first_pause_after_a_success_is_the_minimum() -> None:

@@ -1,0 +1,350 @@
+"""The poll loop's decisions, one set for the threaded worker and the asyncio worker.
+
+A poller (a worker thread, a worker task, or lease mode's one poller that feeds the threads)
+calls ``step()`` in a loop: it polls once and says what comes next, a ``Decision``: poll again
+at once (``Ran``), wait for a wake-up at most so long (``Idle``), wait out a transient error
+(``Backoff``), or stop the worker (``Stop``). The workers only do the waiting: a thread
+blocks, a task awaits, and the asyncio worker runs each step in a greenlet, where
+``await_only`` awaits what an ``async def`` on_polling_error returns.
+
+Transaction mode: one idle poller at a time, the watcher, polls for all of them while the
+others wait for a wake-up; under LISTEN it waits until the queue's next job is due. Lease
+mode: each poller waits on its own.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import random
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from sqla_proletarian import wakeups
+from sqla_proletarian.errors import is_transient, polling_error_hint, transient_hint
+from sqla_proletarian.logs import log_event
+
+if TYPE_CHECKING:
+    from sqlalchemy import Connection
+
+    from sqla_proletarian.execution import JobRunner
+    from sqla_proletarian.feeder import Feeder
+    from sqla_proletarian.leases import LeaseConnections, LeaseRunner
+    from sqla_proletarian.periodic import Scheduler
+    from sqla_proletarian.running import RunnerBase
+    from sqla_proletarian.worker import WorkerOptions
+
+#: Seconds an idle worker waits between polls while LISTEN/NOTIFY wakes it (PostgreSQL,
+#: transaction mode), unless a job is due sooner: a committed job wakes it at once, and a job
+#: scheduled for later (a retry, an expired lease) wakes it when due, so this is only a safety
+#: net for what no notification announces. Never shorter than ``polling_interval``.
+LISTENING_POLL_INTERVAL = 10.0
+#: Seconds an idle worker sleeps past a job's due time, so that its poll finds it due.
+DUE_MARGIN = 0.002
+#: Longest pause between attempts to poll while the database is unreachable.
+MAX_TRANSIENT_BACKOFF = 5.0
+#: The first pause after a transient error; each further one doubles, up to the maximum.
+MIN_TRANSIENT_BACKOFF = 0.05
+
+
+# --- the pause rules -------------------------------------------------------------------------
+
+
+def next_backoff(previous: float) -> float:
+    """The pause after a transient error, given the previous one (0 after a success)."""
+    return min(MAX_TRANSIENT_BACKOFF, max(MIN_TRANSIENT_BACKOFF, previous * 2))
+
+
+def transient_backoff(worker_id: str, exc: Exception, backoff: float) -> tuple[float, float]:
+    """Log a transient polling error; the next backoff, and the jittered pause to take now."""
+    backoff = next_backoff(backoff)
+    log_event(
+        logging.WARNING,
+        "transient-polling-error",
+        worker_id=worker_id,
+        error=repr(exc),
+        retry_in=round(backoff, 3),
+        hint=transient_hint(exc),
+    )
+    return backoff, backoff * random.uniform(0.5, 1.0)
+
+
+def polling_pause(burst: int, polling_interval: float) -> tuple[int, float]:
+    """The pause of an idle poller, and the short waits left after it: after an in-process
+    wake-up (``burst`` waits left) the next of ``wakeups.BURST``, else the polling interval."""
+    if burst:
+        return burst - 1, wakeups.BURST[len(wakeups.BURST) - burst]
+    return 0, polling_interval
+
+
+def listening_pause(
+    options: WorkerOptions, scheduler: Scheduler | None, runner: RunnerBase, conn: Connection
+) -> float:
+    """The pause of an idle watcher that LISTEN/NOTIFY wakes for every committed job: until
+    the queue's next job (read on ``conn``) or periodic occurrence is due, at most
+    ``LISTENING_POLL_INTERVAL``, at least the polling interval once a job is due."""
+    interval = options.polling_interval
+    pause = max(LISTENING_POLL_INTERVAL, interval)
+    if scheduler is not None:
+        look = scheduler.next_look()
+        if look is not None:
+            pause = min(pause, max(look, interval))
+    due = runner.next_due(conn)
+    if due is not None:
+        wait = (due - runner.now()).total_seconds()
+        # Due already (running in another transaction, or held): poll as usual.
+        pause = min(pause, wait + DUE_MARGIN if wait > 0 else interval)
+    return float(pause)
+
+
+# --- the decisions ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ran:
+    """Jobs were run (or claimed, with room for more): poll again at once."""
+
+
+@dataclass(frozen=True)
+class Idle:
+    """Nothing to do: wait for a wake-up, ``pause`` seconds at most (None: no limit, while
+    the watcher polls for this poller)."""
+
+    pause: float | None
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """A transient error: wait ``pause`` seconds; only a stop ends the wait early."""
+
+    pause: float
+
+
+@dataclass(frozen=True)
+class Stop:
+    """A polling error that on_polling_error stops on: the worker stops because of it."""
+
+    error: Exception
+
+
+Decision = Ran | Idle | Backoff | Stop
+
+RAN = Ran()
+
+
+class Listening(Protocol):
+    """A worker's LISTEN listener, as the pause rules see it."""
+
+    listening: bool
+
+
+class Polling:
+    """What a worker's pollers share: the pause rules with the worker's options, the short
+    waits left after an in-process enqueue, and the watcher.
+
+    ``current`` gives the calling poller (a thread, a task); ``guard`` is held while the
+    watcher changes hands (the threads' lock; tasks of one event loop need none);
+    ``wake_all`` ends every idle poller's wait; ``listener`` gives the worker's LISTEN
+    listener, if it has one; ``await_result`` awaits what on_polling_error returned when it
+    is awaitable (asyncio; the threaded worker gives none).
+    """
+
+    def __init__(
+        self,
+        options: WorkerOptions,
+        runner: JobRunner | LeaseRunner,
+        scheduler: Scheduler | None,
+        *,
+        current: Callable[[], object],
+        wake_all: Callable[[], None],
+        listener: Callable[[], Listening | None],
+        guard: AbstractContextManager[Any] | None = None,
+        await_result: Callable[[Any], Any] | None = None,
+    ) -> None:
+        self.worker_id = options.worker_id or ""
+        self.options = options
+        self.runner = runner
+        self.scheduler = scheduler
+        #: Transaction mode: one idle poller at a time (the watcher) polls for all of them.
+        #: Lease mode: each idle poller polls on its own.
+        self.shared_idle = options.lease_seconds is None
+        #: Short waits left after an in-process wake-up (the enqueue may not be visible yet).
+        self.burst = 0
+        self.watcher: object | None = None
+        self._current = current
+        self._wake_all = wake_all
+        self._listener = listener
+        self._guard: AbstractContextManager[Any] = guard if guard is not None else nullcontext()
+        self._await_result = await_result
+        if self.shared_idle:
+            runner.on_claim = self.end_watch
+
+    def enqueued(self, committing: bool) -> None:
+        """An enqueue in this process woke the worker: while its transaction is committing,
+        the next pauses are the short ones of ``wakeups.BURST``, until the commit shows."""
+        if committing:
+            self.burst = len(wakeups.BURST)
+
+    def own_pause(self) -> float:
+        """The pause of a poller that polls on its own (see ``polling_pause``)."""
+        self.burst, pause = polling_pause(self.burst, self.options.polling_interval)
+        return pause
+
+    def idle_pause(self, connections: Any) -> float | None:
+        """After an empty poll: how long the calling poller waits before polling again, or
+        None to wait for a wake-up while another idle poller, the watcher, polls for all."""
+        if not self.shared_idle:
+            return self.own_pause()
+        with self._guard:
+            current = self._current()
+            if self.watcher is None:
+                self.watcher = current
+            elif self.watcher is not current:
+                return None
+        listener = self._listener()
+        if self.burst or listener is None or not listener.listening:
+            return self.own_pause()
+        return listening_pause(self.options, self.scheduler, self.runner, connections.conn)
+
+    def drained_pause(self, feeder: Feeder, connections: LeaseConnections) -> float:
+        """How long the poller of a drained queue waits: a few short waits after an
+        in-process enqueue; else as a listening watcher (listening_pause) with LISTEN, the
+        polling interval without; never past the queue's next due time (a scheduled job,
+        an expiring lease)."""
+        interval = self.options.polling_interval
+        if self.burst:
+            return self.own_pause()
+        if self._listener() is not None:
+            return listening_pause(self.options, self.scheduler, feeder.runner, connections.conn)
+        due_in = feeder.next_due_in(connections)
+        if due_in is None:
+            return interval
+        return min(interval, due_in + DUE_MARGIN if due_in > 0 else interval)
+
+    def end_watch(self) -> None:
+        """The calling poller claimed jobs or ends: if it was the watcher, every idle poller
+        polls (more jobs may be due), and the first to find the queue empty watches next."""
+        with self._guard:
+            if self.watcher is not None and self.watcher is self._current():
+                self.watcher = None
+                self._wake_all()
+
+    def polling_error(self, exc: Exception) -> bool:
+        """Log a polling error that is not transient and hand it to on_polling_error; True
+        means stop (so does an on_polling_error that raises)."""
+        log_event(
+            logging.ERROR,
+            "polling-error",
+            worker_id=self.worker_id,
+            error=repr(exc),
+            hint=polling_error_hint(exc),
+        )
+        try:
+            result = self.options.on_polling_error(exc)
+            if self._await_result is not None and inspect.isawaitable(result):
+                result = self._await_result(result)
+            return bool(result)
+        except Exception as error:
+            log_event(
+                logging.ERROR,
+                "polling-error-handler-error",
+                worker_id=self.worker_id,
+                error=repr(error),
+            )
+            return True
+
+
+# --- the pollers -----------------------------------------------------------------------------
+
+
+class _Poller:
+    """A poller's own state: its backoff after transient errors."""
+
+    def __init__(self, polling: Polling) -> None:
+        self.polling = polling
+        self.backoff = 0.0
+
+    def _failed(self, exc: Exception, pause: Callable[[], float]) -> Decision:
+        """After a failed poll: back off if the error is transient; else stop, or wait
+        ``pause()``, as on_polling_error says."""
+        if is_transient(exc):
+            self.backoff, wait = transient_backoff(self.polling.worker_id, exc, self.backoff)
+            return Backoff(wait)
+        if self.polling.polling_error(exc):
+            return Stop(exc)
+        return Idle(pause())
+
+
+class Poll(_Poller):
+    """A worker thread's or task's poll loop: claim and run jobs on its own connections,
+    opened at the first poll and again after an error."""
+
+    def __init__(self, polling: Polling) -> None:
+        super().__init__(polling)
+        self.connections: Any = None
+
+    def step(self) -> Decision:
+        """Poll once: the periodic jobs' tick, then a due job run (or a batch)."""
+        polling = self.polling
+        try:
+            if self.connections is None:
+                self.connections = polling.runner.open_connections()
+            if polling.scheduler is not None:
+                polling.scheduler.tick(self.connections.conn)
+            ran = polling.runner.process_one(self.connections)
+            decision: Decision = RAN if ran else Idle(polling.idle_pause(self.connections))
+        except Exception as exc:
+            self._close()
+            return self._failed(exc, polling.own_pause)
+        self.backoff = 0.0
+        return decision
+
+    def end(self) -> None:
+        """The loop is over: hand the watch on, close the connections."""
+        self.polling.end_watch()
+        self._close()
+
+    def _close(self) -> None:
+        if self.connections is not None:
+            self.connections.close()
+            self.connections = None
+
+
+class Feed(_Poller):
+    """Lease mode's one poller of the threaded worker: claim jobs into the threads' queue
+    while they have room; with the queue drained, wait alone (``Polling.drained_pause``).
+    Its waits end when a thread becomes free (the feeder's wake-up event)."""
+
+    def __init__(self, polling: Polling, feeder: Feeder) -> None:
+        super().__init__(polling)
+        self.feeder = feeder
+        self.connections = feeder.runner.open_connections()
+
+    def step(self) -> Decision:
+        """Claim once if a thread has room, else give the connection back."""
+        polling, feeder, connections = self.polling, self.feeder, self.connections
+        # Every thread busy: a thread that becomes free wakes the poller.
+        pause, claimed = LISTENING_POLL_INTERVAL, False
+        try:
+            if feeder.room():
+                if polling.scheduler is not None:
+                    polling.scheduler.tick(connections.conn)
+                claimed = feeder.claim(connections) > 0
+                if not claimed:
+                    pause = polling.drained_pause(feeder, connections)
+            else:
+                connections.release()
+        except Exception as exc:
+            connections.close()
+            return self._failed(exc, lambda: polling.options.polling_interval)
+        self.backoff = 0.0
+        if claimed and feeder.room():
+            return RAN  # a thread is still free: claim again now
+        return Idle(pause)
+
+    def end(self) -> None:
+        """The loop is over: close the connection, give back the leases not started."""
+        self.connections.close()
+        self.feeder.end()
