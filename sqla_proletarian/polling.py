@@ -210,13 +210,15 @@ class Polling:
 
     def drained_pause(self, feeder: Feeder, connections: LeaseConnections) -> float:
         """How long the poller of a drained queue waits: a few short waits after an
-        in-process enqueue; else as a listening watcher (listening_pause) with LISTEN, the
-        polling interval without; never past the queue's next due time (a scheduled job,
+        in-process enqueue; else as a listening watcher (listening_pause) while LISTEN is in
+        effect, the polling interval while it is not (no listener, or its connection is being
+        made again); never past the queue's next due time (a scheduled job,
         an expiring lease)."""
         interval = self.options.polling_interval
         if self.burst:
             return self.own_pause()
-        if self._listener() is not None:
+        listener = self._listener()
+        if listener is not None and listener.listening:
             return listening_pause(self.options, self.scheduler, feeder.runner, connections.conn)
         due_in = feeder.next_due_in(connections)
         if due_in is None:

@@ -373,9 +373,18 @@ def test_a_drained_feeding_poller_waits_at_most_until_the_next_job_is_due(
 
 def test_a_drained_feeding_poller_waits_as_a_listening_watcher_under_listen() -> None:
     _, _, poller = feed(
-        rooms=[4], claims=[0], due=NOW + timedelta(seconds=3), listener=Listener(False)
+        rooms=[4], claims=[0], due=NOW + timedelta(seconds=3), listener=Listener(True)
     )
     assert poller.step() == Idle(pytest.approx(3 + DUE_MARGIN))
+
+
+def test_a_drained_feeding_poller_whose_listener_is_not_listening_polls_every_interval() -> None:
+    """While LISTEN is not in effect (its connection is being made again), no notification
+    can come: the poller waits the polling interval, not until the next due job."""
+    _, _, poller = feed(
+        rooms=[4], claims=[0], due=NOW + timedelta(seconds=3), listener=Listener(False)
+    )
+    assert poller.step() == Idle(INTERVAL)
 
 
 def test_a_drained_feeding_poller_takes_the_short_waits_after_an_enqueue() -> None:
