@@ -163,6 +163,39 @@ def test_a_job_committed_to_any_of_the_queues_wakes_the_idle_worker(
     assert worker.worker_id == "proletarian[first,second]"
 
 
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_postgresql_notify_for_any_of_the_queues_wakes_the_worker(
+    engine: sa.Engine, backend: str, mode: dict[str, Any]
+) -> None:
+    """A row of the second queue inserted with plain Core (no in-process wake-up, as
+    another process would) reaches the idle worker through NOTIFY; one of a queue it does
+    not serve does not wake it into running anything."""
+    if backend != "postgresql":
+        pytest.skip("LISTEN/NOTIFY is PostgreSQL's")
+    ran: list[str] = []
+    done = threading.Event()
+
+    def handler(job_type: str, payload: Any) -> None:
+        ran.append(job_type)
+        done.set()
+
+    def insert_raw(job_type: str, queue: str) -> None:
+        values = sp.Job(job_type=job_type, queue=queue).__dict__
+        row = {c.name: values[c.name] for c in sp.Job.__table__.c if c.name in values}
+        with engine.begin() as conn:
+            conn.execute(sa.insert(sp.Job.__table__), row)
+
+    worker = sp.create_queue_worker(
+        engine, handler, queues=["first", "second"], polling_interval=30, **mode
+    )
+    with worker:
+        time.sleep(0.5)  # idle, listening
+        insert_raw("elsewhere", "third")
+        insert_raw("notified", "second")
+        assert done.wait(5), "NOTIFY for the second queue did not wake the worker"
+    assert ran == ["notified"]
+
+
 def test_a_burst_runs_every_queue_until_none_has_a_due_job(engine: sa.Engine) -> None:
     enqueue_in(engine, "first", "f1")
     enqueue_in(engine, "second", "s1", "s2")
