@@ -261,6 +261,7 @@ class AsyncQueueWorker:
         self._shutdown: asyncio.Task[None] | None = None
         self._listener: _Listener | None = None
         self._exception: BaseException | None = None
+        self._unfinished = 0
         self._keeper: asyncio.Task[None] | None = None
         #: Lease mode: the tasks running handlers (a handler's stop() only asks for it).
         self._handler_tasks: set[asyncio.Future[Any]] = set()
@@ -441,6 +442,13 @@ class AsyncQueueWorker:
         while it runs and after a stop() from outside."""
         return self._exception
 
+    @property
+    def unfinished(self) -> int:
+        """How many running jobs a stop gave up on (cancelled) when
+        ``await_termination_timeout`` passed; they run again. 0 while the worker runs, and
+        after a stop that let every running job finish."""
+        return self._unfinished
+
     def summary(self) -> dict[str, int]:
         """How many jobs this worker has run to each outcome."""
         return {str(outcome): count for outcome, count in self._counts.items()}
@@ -497,6 +505,7 @@ class AsyncQueueWorker:
 
     async def _cancel(self, pending: set[asyncio.Task[None]]) -> None:
         """Cancel the jobs still running after the timeout: each rolls back and runs again."""
+        self._unfinished = len(pending)
         log_event(
             logging.WARNING,
             "queue-worker-shutdown-timeout",

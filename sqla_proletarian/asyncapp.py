@@ -21,8 +21,8 @@ from sqlalchemy.engine import URL
 from sqla_proletarian import statements as sql
 from sqla_proletarian.errors import ConfigurationError
 from sqla_proletarian.handlers import JobHandlers
-from sqla_proletarian.supervisor import BURST_CHECK_INTERVAL, Report, any_due
-from sqla_proletarian.worker import _exit_as_signal, _write_stderr
+from sqla_proletarian.supervisor import BURST_CHECK_INTERVAL, Report, any_due, stopped_event
+from sqla_proletarian.worker import _exit_after_stop, _write_stderr
 
 if TYPE_CHECKING:  # imported when a worker runs: asyncio needs greenlet
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -120,7 +120,7 @@ def run_async_worker(
     if received:
         signal.signal(received[0], signal.SIG_DFL)
         print(f"{worker.worker_id} stopped: {worker.summary_text()}", file=sys.stderr, flush=True)
-        _exit_as_signal(received[0])
+        _exit_after_stop(worker, received[0])
     return worker
 
 
@@ -174,7 +174,7 @@ def _worker(
 
     async def shut_down() -> None:
         if report is not None:
-            report({"event": "stopped", "summary": started[0].summary()})
+            report(stopped_event(started[0]))
         if on_shutdown is not None:
             result = on_shutdown()
             if inspect.isawaitable(result):

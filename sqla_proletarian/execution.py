@@ -278,25 +278,27 @@ class JobRunner(RunnerBase):
             connections.claimed_last = self._process(connections)
         return connections.claimed_last
 
-    def abandon_in_flight(self) -> None:
+    def abandon_in_flight(self) -> int:
         """Remove the run records of handlers still running when the worker gives up on them
-        (shutdown timeout), so the process's exit is not charged to their jobs.
+        (shutdown timeout), so the process's exit is not charged to their jobs; how many
+        claims were still running.
 
         The jobs' transactions are untouched: they roll back when the process exits, and the
         jobs run again. SQLite cannot do this while the running job holds its write lock.
         """
+        in_flight = list(self._in_flight.values())
         if not self._separate_ledger:
-            return
-        records = [c.record for c in list(self._in_flight.values()) if c.record is not None]
+            return len(in_flight)
+        records = [c.record for c in in_flight if c.record is not None]
         run_ids = [pair for r in records for pair in r.run_ids.items()]
         if not run_ids:
-            return
+            return len(in_flight)
         try:
             with self.dialect.ledger_connection(self.engine) as conn:
                 conn.execute(*sql.end_runs_by_id(run_ids, force_index=self.dialect.force_index))
         except Exception as exc:
             log_event(logging.WARNING, "run-record-cleanup-error", error=repr(exc))
-            return
+            return len(in_flight)
         log_event(
             logging.INFO,
             "runs-abandoned",
@@ -305,6 +307,7 @@ class JobRunner(RunnerBase):
             hint="their jobs roll back when the process exits and run again, without an "
             "unclean end",
         )
+        return len(in_flight)
 
     # --- one claim ------------------------------------------------------------------------
 

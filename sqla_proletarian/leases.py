@@ -350,13 +350,14 @@ class LeaseRunner(RunnerBase):
         finally:
             self.close()
 
-    def abandon_in_flight(self) -> None:
+    def abandon_in_flight(self) -> int:
         """Release the leases of the handlers still running when a stop gives up on them:
         their jobs are due again at once, without an unclean end, and each handler is asked
-        to stop; their late outcomes are fenced off."""
+        to stop; their late outcomes are fenced off. How many runs were given up."""
         released = [run for run in self._running() if run.begin_ending()]
+        given_up = len(released)
         if not released:
-            return
+            return 0
         for run in released:
             run.signal.request("stopping")
         # SQLite: a handler whose session is open holds the database's write lock, so its
@@ -371,13 +372,13 @@ class LeaseRunner(RunnerBase):
         released = [run for run in released if run not in locked]
         self._forget(*locked)
         if not released:
-            return
+            return given_up
         try:
             self._execute(sql.release_leases([r.job_id for r in released], self._tokens(released)))
         except Exception as exc:
             # Its late end tries again.
             log_event(logging.WARNING, "lease-release-error", error=repr(exc))
-            return
+            return given_up
         finally:
             self._forget(*released)
         for run in released:
@@ -390,6 +391,7 @@ class LeaseRunner(RunnerBase):
             hint="their jobs are due again at once, without an unclean end; what their "
             "handlers still write through job.session is discarded",
         )
+        return given_up
 
     # --- what a worker's poller and its threads call (feeder) ---------------------------
 

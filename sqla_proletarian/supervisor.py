@@ -41,11 +41,17 @@ from sqla_proletarian import statements as sql
 from sqla_proletarian.dialects import dialect_of
 from sqla_proletarian.errors import is_transient
 from sqla_proletarian.logs import log_event
-from sqla_proletarian.worker import QueueWorker, WorkerOptions, create_queue_worker
+from sqla_proletarian.worker import (
+    EXIT_JOBS_UNFINISHED,
+    QueueWorker,
+    WorkerOptions,
+    create_queue_worker,
+)
 
 __all__ = [
     "EXIT_FORCED",
     "EXIT_JOBS_FAILED",
+    "EXIT_JOBS_UNFINISHED",
     "EXIT_OK",
     "EXIT_UNCLEAN",
     "Supervisor",
@@ -55,8 +61,16 @@ __all__ = [
 ]
 
 #: What ``report`` receives: ``{"event": "started"}``, then ``{"event": "stopped",
-#: "summary": {"succeeded": ..., "retried": ..., "failed": ...}}``.
+#: "summary": {"succeeded": ..., "retried": ..., "failed": ...}, "unfinished": N}`` (the
+#: running jobs its stop gave up on).
 Report = Callable[[dict[str, Any]], None]
+
+
+def stopped_event(worker: QueueWorker | Any) -> dict[str, Any]:
+    """The ``stopped`` report of a worker whose stop is done (called from its on_shutdown,
+    once the stop has given up on any running job)."""
+    return {"event": "stopped", "summary": worker.summary(), "unfinished": worker.unfinished}
+
 
 #: Exit status of the supervisor after a graceful stop (SIGTERM/SIGINT, or --burst done).
 EXIT_OK = 0
@@ -100,7 +114,7 @@ def run_worker(
 
     def shut_down() -> None:
         if report is not None:
-            report({"event": "stopped", "summary": started[0].summary()})
+            report(stopped_event(started[0]))
         if on_shutdown is not None:
             on_shutdown()
 
@@ -183,6 +197,8 @@ class _Process:
     closed: bool = False
     started: bool = False
     summary: dict[str, int] | None = None
+    #: The running jobs its stop gave up on (its shutdown timeout passed).
+    unfinished: int = 0
 
 
 @dataclass
@@ -230,6 +246,8 @@ class Supervisor:
         self._stopping: int | None = None
         self._forced: int | None = None
         self._unclean = 0
+        #: The running jobs the processes' stops gave up on.
+        self._unfinished = 0
         self._restarts = 0
         self._ever_started = False
 
@@ -251,6 +269,16 @@ class Supervisor:
             return EXIT_FORCED + self._forced
         if self._unclean:
             return EXIT_UNCLEAN
+        if self._unfinished:
+            jobs = "job" if self._unfinished == 1 else "jobs"
+            print(
+                f"sqla-proletarian: {self._unfinished} running {jobs} did not finish within "
+                "the shutdown timeout and will run again: give longer jobs more time with "
+                "--shutdown-timeout",
+                file=sys.stderr,
+                flush=True,
+            )
+            return EXIT_JOBS_UNFINISHED
         return EXIT_JOBS_FAILED if self.burst and self._totals["failed"] else EXIT_OK
 
     def summary_text(self) -> str:
@@ -325,6 +353,7 @@ class Supervisor:
         if process.summary is not None:
             for outcome, count in process.summary.items():
                 self._totals[outcome] = self._totals.get(outcome, 0) + int(count)
+        self._unfinished += process.unfinished
         code = process.popen.returncode
         if self._stopping is not None:
             if process.summary is None:
@@ -391,6 +420,8 @@ class Supervisor:
             process.started = self._ever_started = True
         elif event.get("event") == "stopped" and isinstance(event.get("summary"), dict):
             process.summary = event["summary"]
+            unfinished = event.get("unfinished")
+            process.unfinished = unfinished if isinstance(unfinished, int) else 0
 
     # --- signals ---------------------------------------------------------------------------
 

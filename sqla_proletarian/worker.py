@@ -260,6 +260,7 @@ class QueueWorker:
         #: The thread doing the stop, from the first stop() on.
         self._stopper: threading.Thread | None = None
         self._exception: BaseException | None = None
+        self._unfinished = 0
         self._threads: list[threading.Thread] = []
         #: Lease mode: the poller's queue of claimed jobs, and the completer.
         self._feeder: Feeder | None = None
@@ -366,6 +367,13 @@ class QueueWorker:
         None while it runs and after a stop() from outside."""
         return self._exception
 
+    @property
+    def unfinished(self) -> int:
+        """How many running jobs a stop gave up on when ``await_termination_timeout``
+        passed (they roll back, or their leases go back, and they run again); 0 while the
+        worker runs, and after a stop that let every running job finish."""
+        return self._unfinished
+
     def summary(self) -> dict[str, int]:
         """How many jobs this worker has run to each outcome."""
         with self._counts_lock:
@@ -412,7 +420,7 @@ class QueueWorker:
                     thread.join(max(0.0, deadline - time.monotonic()))
             unfinished = [t.name for t in self._threads if t.is_alive()]
             if unfinished:
-                self._runner.abandon_in_flight()
+                self._unfinished = self._runner.abandon_in_flight() or len(unfinished)
                 log_event(
                     logging.WARNING,
                     "queue-worker-shutdown-timeout",
@@ -624,7 +632,7 @@ class QueueWorker:
             self.stop()
             print(f"{self.worker_id} stopped: {self.summary_text()}", file=sys.stderr, flush=True)
         finally:
-            _exit_as_signal(signum)
+            _exit_after_stop(self, signum)
 
     def _park_during_signal_exit(self) -> None:
         """While a signal ends the process, keep the calling thread (the main thread in
@@ -633,6 +641,41 @@ class QueueWorker:
             return
         while True:
             threading.Event().wait()
+
+
+#: Exit status of a worker process whose stop (on SIGTERM/SIGINT) gave up on running jobs
+#: when its shutdown timeout passed: they run again, but the stop was not clean.
+EXIT_JOBS_UNFINISHED = 4
+
+
+def unfinished_text(worker_id: str, unfinished: int, timeout: float) -> str:
+    """What a process says when its stop gave up on running jobs."""
+    jobs = "job" if unfinished == 1 else "jobs"
+    return (
+        f"{worker_id}: {unfinished} running {jobs} did not finish within the shutdown "
+        f"timeout ({timeout:g} s) and will run again: give longer jobs more time with "
+        "--shutdown-timeout (await_termination_timeout)"
+    )
+
+
+def _exit_after_stop(worker: QueueWorker | Any, signum: int) -> NoReturn:
+    """End the process after a stop on ``signum``: as the signal would have ended it, or,
+    when the stop gave up on running jobs, with EXIT_JOBS_UNFINISHED, saying so."""
+    if not worker.unfinished:
+        _exit_as_signal(signum)
+    try:
+        _write_stderr(
+            unfinished_text(
+                worker.worker_id, worker.unfinished, worker.options.await_termination_timeout
+            )
+            + "\n"
+        )
+        atexit._run_exitfuncs()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(EXIT_JOBS_UNFINISHED)
 
 
 def _exit_as_signal(signum: int) -> NoReturn:

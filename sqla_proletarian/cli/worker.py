@@ -35,6 +35,7 @@ from sqla_proletarian.running import RetryStrategyFn
 from sqla_proletarian.supervisor import (
     EXIT_FORCED,
     EXIT_JOBS_FAILED,
+    EXIT_JOBS_UNFINISHED,
     EXIT_OK,
     EXIT_UNCLEAN,
     Supervisor,
@@ -457,6 +458,8 @@ exit status:
   1    the worker stopped by itself (a database error it does not retry: see the message)
   2    bad input (the handler cannot be imported, a bad option or worker_options)
   {EXIT_JOBS_FAILED}    --burst drained the queue, and some jobs failed for good (retries used up)
+  {EXIT_JOBS_UNFINISHED}    SIGTERM/SIGINT, and the stop gave up on running jobs when
+       --shutdown-timeout passed (they run again)
   130  SIGINT, 143 SIGTERM: the process stopped gracefully on the signal (running jobs
        finished, the summary printed) and ends by it, as systemd expects; a second signal
        ends it at once
@@ -465,6 +468,7 @@ with --processes N (N > 1), the supervisor's:
   {EXIT_UNCLEAN}    a worker process did not stop gracefully (it died during the stop), or
        with --burst ended on an error
   {EXIT_JOBS_FAILED}    --burst done, and some worker process gave up on jobs
+  {EXIT_JOBS_UNFINISHED}    SIGTERM/SIGINT, and some process's stop gave up on running jobs
   1, 2 the first worker process could not start: its own status (see its message), with
        --burst too
   {EXIT_FORCED}+N  a second SIGTERM/SIGINT stopped them at once (130 SIGINT, 143 SIGTERM)

@@ -7,7 +7,6 @@ and a worker or a pause naming a queue that never held a job is warned about."""
 from __future__ import annotations
 
 import logging
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,15 +17,11 @@ from typing import TYPE_CHECKING
 import pytest
 import sqlalchemy as sa
 from cli_support import (
-    CLI,
-    PACKAGE_ENV,
     archived,
     assert_one_line_error,
     cli,
-    events,
     rows,
     url_of,
-    wait_until,
     write_tasks,
 )
 
@@ -176,36 +171,6 @@ def test_bad_worker_settings_get_one_line_and_status_2(
             f"{text}\n\ndef handle(job_type, payload):\n    pass\n"
         )
         assert message in error_of(f"{module}:handle"), text
-
-
-def test_shutdown_timeout_bounds_how_long_a_stop_waits_for_a_running_job(tmp_path: Path) -> None:
-    """With ``--shutdown-timeout 0`` a SIGTERM does not wait for a job that runs for a
-    minute: the worker logs the timeout and the process ends by the signal at once (the
-    default waits 10 s), the job left in the queue (on SQLite: alike on every backend)."""
-    write_tasks(tmp_path)
-    url = f"sqlite:///{tmp_path / 'app.db'}"
-    engine = sa.create_engine(url)
-    sp.metadata.create_all(engine)
-    with engine.begin() as conn:
-        job = sp.enqueue(conn, "slow", {"seconds": 60})
-    process = subprocess.Popen(
-        [CLI, "worker", "tasks:handlers", "--handler-mode", "advanced", "--shutdown-timeout", "0"],
-        cwd=tmp_path,
-        env={"PATH": "/usr/bin:/bin", "DATABASE_URL": url, **PACKAGE_ENV},
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        wait_until(lambda: events(tmp_path), "the job to start")
-        process.send_signal(signal.SIGTERM)
-        _, stderr = process.communicate(timeout=8)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert process.returncode == -signal.SIGTERM, stderr
-    assert "queue-worker-shutdown-timeout" in stderr
-    assert [row.job_id for row in rows(engine, statements.JOB)] == [job]
-    engine.dispose()
 
 
 def test_a_burst_supervisor_whose_first_process_cannot_start_exits_with_its_error(

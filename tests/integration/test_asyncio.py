@@ -588,6 +588,7 @@ def test_stop_past_the_termination_timeout_cancels_the_job_which_runs_again_not_
             began = time.monotonic()
             await worker.stop()
             waited = time.monotonic() - began
+            assert worker.unfinished == 1, "the stop gave up on the running job"
             queued = [job.attempts for job in await asyncio.to_thread(jobs, sync_engine)]
             records = await asyncio.to_thread(run_records, sync_engine)
             async with sp.create_async_queue_worker(engine, handler, **options):
@@ -772,9 +773,13 @@ def test_the_async_worker_enqueues_its_periodic_jobs_once_per_occurrence(
             async with worker:
                 # The first look records the schedule; its next occurrence is 12:01.
                 assert await eventually(lambda: count(sync_engine, PeriodicSchedule) == 1)
+                # An idle watcher under LISTEN sleeps until the next occurrence by the clock
+                # (up to 10 s): a clock that jumps ahead wakes it, as time passing would.
                 clock.set(start + timedelta(minutes=1, seconds=1))
+                worker.wake()
                 assert await eventually(lambda: len(ran) == 1)
                 clock.set(start + timedelta(minutes=2, seconds=1))
+                worker.wake()
                 assert await eventually(lambda: len(ran) == 2)
                 await asyncio.sleep(0.1)
 

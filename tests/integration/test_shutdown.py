@@ -180,6 +180,7 @@ def test_stop_lets_a_running_job_finish_then_calls_on_shutdown_once(engine: sa.E
     finally:
         worker.stop()
     assert 0.3 < waited < 5, waited
+    assert worker.unfinished == 0, "the running job finished: the stop gave up on none"
     assert shutdowns == ["success"], "on_shutdown once, after the job was archived"
     done = archived_job(engine, job_id)
     assert done is not None and (done.status, done.attempts) == ("success", 1)
@@ -213,6 +214,7 @@ def test_await_termination_timeout_bounds_the_wait_for_running_jobs(
         waited = time.monotonic() - began
         assert 0.25 <= waited < 3, waited
         assert shutdowns == [1]
+        assert worker.unfinished == 1, "the stop gave up on the running job"
         [timeout] = events(caplog.records, "queue-worker-shutdown-timeout")
         assert timeout.worker_id == worker.worker_id
     finally:
@@ -252,6 +254,7 @@ def test_await_termination_timeout_bounds_the_whole_wait_with_several_threads(
     finally:
         release.set()
     running = 1 if backend == "sqlite" else 2
+    assert worker.unfinished == running
     assert wait_for(lambda: count(engine, sp.ArchivedJob) == running)
     assert count(engine, sp.Job) == 2 - running
     assert wait_for(_all_connections_returned(engine))
