@@ -1,7 +1,7 @@
 """Async applications on the command line: the sync twin of an async database URL (what the
 commands that read and write the tables connect with), the async twin of a sync one, whether
 a handler is ``async def``, and the asyncio worker run in the foreground until SIGTERM or
-SIGINT, by itself, or, with ``burst``, until its queue is drained."""
+SIGINT, by itself, or, with ``burst``, until its queues are drained."""
 
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def run_async_worker(
     Options are those of ``create_async_queue_worker``. It stops on SIGTERM or SIGINT (then
     running jobs finish, the summary is printed and the process ends by the signal; a
     second signal ends it at once), by itself (``worker.exception`` says why), or with
-    ``burst`` once no job of its queue is due. ``report`` gets ``started`` and ``stopped``
+    ``burst`` once no job of its queues is due. ``report`` gets ``started`` and ``stopped``
     (see ``supervisor.Report``). The library's tables are checked first.
     """
     if importlib.util.find_spec("greenlet") is None:
@@ -210,7 +210,7 @@ def _stop_on_signals(worker: AsyncQueueWorker, received: list[int]) -> list[int]
 
 
 async def _until_drained(engine: AsyncEngine, worker: AsyncQueueWorker) -> None:
-    """Wait while the worker runs and a job of its queue is due (running jobs count)."""
+    """Wait while the worker runs and a job of its queues is due (running jobs count)."""
     from sqlalchemy.util import greenlet_spawn
 
     interval = max(worker.options.polling_interval, BURST_CHECK_INTERVAL)

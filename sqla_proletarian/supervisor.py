@@ -2,7 +2,7 @@
 
 ``run_worker`` runs a QueueWorker in the calling thread until a signal stops it (with
 ``install_signal_handlers``), until it stops by itself, or, in burst mode, until no job of
-its queue is due. ``Supervisor`` runs N such workers as processes, to use more than one
+its queues is due. ``Supervisor`` runs N such workers as processes, to use more than one
 core past the GIL: it restarts a process that dies unexpectedly (with a backoff and a log
 line), forwards SIGTERM and SIGINT to them, waits for them, and prints one summary.
 
@@ -105,7 +105,7 @@ def run_worker(
     Options are those of ``create_queue_worker``. Without ``burst`` it runs until stopped:
     by SIGTERM or SIGINT with ``install_signal_handlers=True`` (which ends the process as
     the worker's signal handling does), or by itself (``worker.exception`` says why). With
-    ``burst`` it stops once no job of its queue is due (or the queue is paused): jobs running
+    ``burst`` it stops once no job of its queues is due (or they are paused): jobs running
     count as due, so they finish first, and retries scheduled for later do not keep it going.
     ``report`` receives a ``started`` and a ``stopped`` event (see ``Report``).
     """
@@ -134,7 +134,7 @@ def run_worker(
 
 
 def _run_until_drained(engine: Engine, worker: QueueWorker) -> None:
-    """Wait while the worker runs and a job of its queue is due."""
+    """Wait while the worker runs and a job of its queues is due."""
     options = worker.options
     interval = max(options.polling_interval, BURST_CHECK_INTERVAL)
     while worker.running and any_due(engine, options):

@@ -477,7 +477,7 @@ with --processes N (N > 1), the supervisor's:
 
 WORKER = Command(
     "worker",
-    "run a queue worker until SIGTERM/SIGINT (or, with --burst, until the queue is drained)",
+    "run a queue worker until SIGTERM/SIGINT (or, with --burst, until its queues are drained)",
     f"{PROG} worker tasks:handlers --queue critical --queue emails --threads 4 --processes 2",
     WORKER_ARGUMENTS,
     worker,
