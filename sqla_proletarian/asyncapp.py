@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection
+from sqlalchemy import Connection, Engine
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import URL
 
@@ -97,6 +97,7 @@ def run_async_worker(
     report: Report | None = None,
     concurrency: int = 1,
     engine_options: dict[str, Any] | None = None,
+    before_start: Callable[[Engine], object] | None = None,
     **options: Any,
 ) -> AsyncQueueWorker:
     """Run the asyncio worker on ``url`` (an asyncio driver's) in a new event loop until it
@@ -106,7 +107,9 @@ def run_async_worker(
     running jobs finish, the summary is printed and the process ends by the signal; a
     second signal ends it at once), by itself (``worker.exception`` says why), or with
     ``burst`` once no job of its queues is due. ``report`` gets ``started`` and ``stopped``
-    (see ``supervisor.Report``). The library's tables are checked first.
+    (see ``supervisor.Report``). The library's tables are checked first; then
+    ``before_start`` is called with the engine's sync side (in a greenlet: it may use it as
+    a plain Engine).
     """
     if importlib.util.find_spec("greenlet") is None:
         raise ConfigurationError(
@@ -115,7 +118,17 @@ def run_async_worker(
         )
     received: list[int] = []
     worker = asyncio.run(
-        _run(url, handler, burst, report, concurrency, engine_options or {}, options, received)
+        _run(
+            url,
+            handler,
+            burst,
+            report,
+            concurrency,
+            engine_options or {},
+            options,
+            received,
+            before_start,
+        )
     )
     if received:
         signal.signal(received[0], signal.SIG_DFL)
@@ -133,13 +146,17 @@ async def _run(
     engine_options: dict[str, Any],
     options: dict[str, Any],
     received: list[int],
+    before_start: Callable[[Engine], object] | None,
 ) -> AsyncQueueWorker:
     from sqlalchemy.ext.asyncio import create_async_engine
+    from sqlalchemy.util import greenlet_spawn
 
     engine = create_async_engine(url, **engine_options)
     try:
         async with engine.connect() as conn:
             await conn.run_sync(_probe_tables)
+        if before_start is not None:
+            await greenlet_spawn(before_start, engine.sync_engine)
         worker = _worker(engine, handler, report, concurrency, options)
         stopping = _stop_on_signals(worker, received)
         await worker.start()

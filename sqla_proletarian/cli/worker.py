@@ -234,11 +234,7 @@ def worker(args: argparse.Namespace) -> int:
         stop_with_supervisor()
     threads = checked.worker_threads
     if is_async_handler(handler):
-        if named:
-            with _database(args) as engine:
-                _check_tables(engine)
-                _warn_if_unknown(engine, named)
-        return _run_async(args, handler, options, threads)
+        return _run_async(args, handler, options, threads, named)
     with _database(args, pool_size=2 * threads + 2) as engine:
         _check_tables(engine)
         _warn_if_unknown(engine, named)
@@ -263,10 +259,15 @@ def _warn_if_unknown(engine: Any, queues: tuple[str, ...]) -> None:
 
 
 def _run_async(
-    args: argparse.Namespace, handler: Callable[..., Any], options: dict[str, Any], threads: int
+    args: argparse.Namespace,
+    handler: Callable[..., Any],
+    options: dict[str, Any],
+    threads: int,
+    named: tuple[str, ...],
 ) -> int:
     """``async def`` handlers: the asyncio worker on the URL (a sync URL's async twin), its
-    tasks as many as the threads asked for."""
+    tasks as many as the threads asked for; the queue names checked through its own engine
+    (no sync driver needed)."""
     options.pop("worker_threads", None)
     done = run_async_worker(
         async_url(_url(args)),
@@ -275,6 +276,7 @@ def _run_async(
         report=report_to_fd(args.report_fd) if args.report_fd is not None else None,
         concurrency=threads,
         engine_options={"pool_size": 2 * threads + 2},
+        before_start=lambda engine: _warn_if_unknown(engine, named),
         **options,
     )
     return _ended(args, done)
