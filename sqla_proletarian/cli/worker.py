@@ -329,6 +329,16 @@ def _delays(text: str) -> tuple[float, ...]:
         ) from None
 
 
+def _queue_names(text: str) -> list[str]:
+    """``--queue``: one queue name, or several separated by commas (``critical,default``)."""
+    names = [name.strip() for name in text.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give a queue name, or names separated by commas, e.g. critical,default"
+        )
+    return names
+
+
 def _unclean_ends(text: str) -> int | None:
     """``--max-unclean-ends``: a whole number, or ``off`` to turn crash accounting off."""
     if text.strip().lower() in ("off", "none"):
@@ -355,11 +365,13 @@ WORKER_ARGUMENTS = (
     ),
     arg(
         "--queue",
-        action="append",
+        action="extend",
+        type=_queue_names,
         default=_UNSET,
         metavar="Q",
-        help="the queue to work off (default); repeat it for several queues, claimed in the "
-        "order given (a queue's jobs when the queues before it have none due)",
+        help="the queue to work off (default); repeat it, or give names separated by commas, "
+        "for several queues, claimed in the order given (a queue's jobs when the queues "
+        "before it have none due)",
     ),
     arg(
         "--threads",

@@ -69,6 +69,30 @@ def test_a_repeated_queue_flag_claims_the_queues_in_the_order_given(
     engine.dispose()
 
 
+def test_queue_names_separated_by_commas_are_several_queues_in_that_order(
+    database: Database, tmp_path: Path
+) -> None:
+    """``--queue urgent,bulk`` (as Celery's ``-Q`` takes them) is ``--queue urgent --queue
+    bulk``; an empty name between commas is refused with the form to use."""
+    url = url_of(database)
+    write_tasks(tmp_path)
+    engine = database.engine()
+    bulk = enqueue_ok(engine, "bulk", 1)
+    urgent = enqueue_ok(engine, "urgent", 1)
+
+    done = cli("worker", "tasks:handlers", "--handler-mode", "advanced", "--queue", "urgent,bulk",
+               "--burst", "--url", url, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "proletarian[urgent,bulk] stopped: 2 succeeded" in done.stderr
+    assert ran_in_order(tmp_path) == [*urgent, *bulk]
+
+    refused = cli("worker", "tasks:handlers", "--queue", "urgent,,bulk", "--url", url,
+                  cwd=tmp_path)  # fmt: skip
+    assert refused.returncode == 2
+    assert "names separated by commas, e.g. critical,default" in refused.stderr
+    engine.dispose()
+
+
 def test_several_processes_each_serve_every_queue_given(database: Database, tmp_path: Path) -> None:
     url = url_of(database)
     write_tasks(tmp_path)
