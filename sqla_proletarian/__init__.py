@@ -45,16 +45,12 @@ from sqla_proletarian.models import (
     include_object,
     metadata,
 )
+from sqla_proletarian.options import WorkerOptions
 from sqla_proletarian.periodic import PeriodicJob
 from sqla_proletarian.retry import RetryStrategy
 from sqla_proletarian.serialization import JsonSerializer, Serializer
 from sqla_proletarian.values import MAX_PRIORITY, MIN_PRIORITY, utc_now, uuid4, uuid7
-from sqla_proletarian.worker import (
-    QueueWorker,
-    WorkerOptions,
-    create_queue_worker,
-    process_next_job,
-)
+from sqla_proletarian.worker import QueueWorker, create_queue_worker, process_next_job
 
 if TYPE_CHECKING:
     from sqla_proletarian.aio import (

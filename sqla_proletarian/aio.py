@@ -39,10 +39,11 @@ from sqla_proletarian.errors import ConfigurationError, NotATransactionError, Pr
 from sqla_proletarian.handlers import AsyncJobContext, JobContext, JobSession, StopSignal
 from sqla_proletarian.leases import LeaseRunner, LeaseSession, new_runner
 from sqla_proletarian.logs import log_event
+from sqla_proletarian.options import WorkerOptions
 from sqla_proletarian.polling import Backoff, Idle, Poll, Polling, Stop
 from sqla_proletarian.running import RUNNING_SIGNAL, Outcome, RunSettings
 from sqla_proletarian.values import DEFAULT_QUEUE
-from sqla_proletarian.worker import WorkerOptions, _check_pool, scheduler_for
+from sqla_proletarian.worker import _check_pool, scheduler_for
 
 #: Tasks running jobs at the same time.
 DEFAULT_CONCURRENCY = 1

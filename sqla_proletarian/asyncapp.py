@@ -20,9 +20,9 @@ from sqlalchemy.engine import URL
 
 from sqla_proletarian import statements as sql
 from sqla_proletarian.errors import ConfigurationError
+from sqla_proletarian.exits import exit_after_stop, write_stderr
 from sqla_proletarian.handlers import JobHandlers
 from sqla_proletarian.supervisor import BURST_CHECK_INTERVAL, Report, any_due, stopped_event
-from sqla_proletarian.worker import _exit_after_stop, _write_stderr
 
 if TYPE_CHECKING:  # imported when a worker runs: asyncio needs greenlet
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -133,7 +133,7 @@ def run_async_worker(
     if received:
         signal.signal(received[0], signal.SIG_DFL)
         print(f"{worker.worker_id} stopped: {worker.summary_text()}", file=sys.stderr, flush=True)
-        _exit_after_stop(worker, received[0])
+        exit_after_stop(worker, received[0])
     return worker
 
 
@@ -212,12 +212,12 @@ def _stop_on_signals(worker: AsyncQueueWorker, received: list[int]) -> list[int]
     def on_signal(signum: int) -> None:
         name = signal.Signals(signum).name
         if received:
-            _write_stderr(f"{worker.worker_id}: {name} again, exiting at once\n")
+            write_stderr(f"{worker.worker_id}: {name} again, exiting at once\n")
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
         received.append(signum)
-        _write_stderr(f"{worker.worker_id}: {name} received, finishing running jobs...\n")
+        write_stderr(f"{worker.worker_id}: {name} received, finishing running jobs...\n")
         stops.append(loop.create_task(worker.stop()))
 
     signals: list[int] = [signal.SIGINT, signal.SIGTERM]

@@ -32,9 +32,9 @@ if TYPE_CHECKING:
     from sqla_proletarian.execution import JobRunner
     from sqla_proletarian.feeder import Feeder
     from sqla_proletarian.leases import LeaseConnections, LeaseRunner
+    from sqla_proletarian.options import WorkerOptions
     from sqla_proletarian.periodic import Scheduler
     from sqla_proletarian.running import RunnerBase
-    from sqla_proletarian.worker import WorkerOptions
 
 #: Seconds an idle worker waits between polls while LISTEN/NOTIFY wakes it (PostgreSQL,
 #: transaction mode), unless a job is due sooner: a committed job wakes it at once, and a job

@@ -40,13 +40,10 @@ from sqlalchemy import Engine
 from sqla_proletarian import statements as sql
 from sqla_proletarian.dialects import dialect_of
 from sqla_proletarian.errors import is_transient
+from sqla_proletarian.exits import EXIT_JOBS_UNFINISHED
 from sqla_proletarian.logs import log_event
-from sqla_proletarian.worker import (
-    EXIT_JOBS_UNFINISHED,
-    QueueWorker,
-    WorkerOptions,
-    create_queue_worker,
-)
+from sqla_proletarian.options import WorkerOptions
+from sqla_proletarian.worker import QueueWorker, create_queue_worker
 
 __all__ = [
     "EXIT_FORCED",

@@ -25,10 +25,10 @@ from sqla_proletarian.errors import (
 )
 from sqla_proletarian.leases import new_runner
 from sqla_proletarian.models import Job
+from sqla_proletarian.options import WorkerOptions
 from sqla_proletarian.running import Outcome
 from sqla_proletarian.serialization import DEFAULT_SERIALIZER, Serializer
 from sqla_proletarian.statements import DUE_AT
-from sqla_proletarian.worker import WorkerOptions
 
 __all__ = ["DEFAULT_MAX_RUNS", "DrainLimitError", "EnqueuedJob", "drain", "enqueued_jobs"]
 

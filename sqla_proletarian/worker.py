@@ -1,8 +1,8 @@
-"""The queue worker: threads that poll a queue, run jobs, and shut down gracefully."""
+"""The queue worker: threads that poll its queues, run jobs, and shut down gracefully (its
+options are in ``options``, how its process ends after a signal in ``exits``)."""
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import os
@@ -12,155 +12,59 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any, Literal, NoReturn
+from typing import Any
 
 from sqlalchemy import Engine
 from sqlalchemy.pool import QueuePool
 
-from sqla_proletarian import ledger, wakeups
+from sqla_proletarian import wakeups
 from sqla_proletarian.dialects import Dialect, dialect_of
 from sqla_proletarian.errors import ConfigurationError
+from sqla_proletarian.exits import EXIT_JOBS_UNFINISHED, exit_after_stop, write_stderr
 from sqla_proletarian.feeder import Feeder
-from sqla_proletarian.leases import LeaseRunner, check_lease_settings, new_runner
+from sqla_proletarian.leases import LeaseRunner, new_runner
 from sqla_proletarian.logs import log_event
-from sqla_proletarian.models import DEFAULT_QUEUE
-from sqla_proletarian.periodic import PeriodicJob, Scheduler, check_periodic_jobs
-from sqla_proletarian.polling import LISTENING_POLL_INTERVAL as LISTENING_POLL_INTERVAL
-from sqla_proletarian.polling import Backoff, Feed, Idle, Poll, Polling, Stop
-from sqla_proletarian.running import FailedJobHandler, Outcome, RetryStrategyFn, RunSettings
-from sqla_proletarian.serialization import DEFAULT_SERIALIZER, Serializer
-from sqla_proletarian.values import Clock, check_name, utc_now
+from sqla_proletarian.options import (
+    DEFAULT_AWAIT_TERMINATION_TIMEOUT,
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_MAX_UNCLEAN_ENDS,
+    DEFAULT_POLLING_INTERVAL,
+    DEFAULT_RECONNECT_GRACE,
+    DEFAULT_WORKER_THREADS,
+    MAX_BATCH_SIZE,
+    WorkerOptions,
+)
+from sqla_proletarian.periodic import Scheduler
+from sqla_proletarian.polling import (
+    LISTENING_POLL_INTERVAL,
+    Backoff,
+    Feed,
+    Idle,
+    Poll,
+    Polling,
+    Stop,
+)
+from sqla_proletarian.running import Outcome
 
-DEFAULT_WORKER_THREADS = 1
-#: Seconds to wait before polling again once the queue is drained.
-DEFAULT_POLLING_INTERVAL = 0.1
-#: Seconds stop() waits for running jobs to finish.
-DEFAULT_AWAIT_TERMINATION_TIMEOUT = 10.0
-#: Runs of one job that may end uncleanly (worker died) before it is archived as failed.
-DEFAULT_MAX_UNCLEAN_ENDS = 3
-#: Seconds a dead-looking worker's run records wait before they count as unclean ends: its
-#: session may have ended with a restart, a failover or a kill while the worker lives on.
-DEFAULT_RECONNECT_GRACE = ledger.OWNER_GRACE
-#: Jobs a thread claims in one transaction (1: the original's semantics).
-DEFAULT_BATCH_SIZE = 1
-#: Largest batch_size accepted.
-MAX_BATCH_SIZE = 1000
-
-PollingErrorHandler = Callable[[Exception], object]
-
-
-def _stop_on_polling_error(exc: Exception) -> bool:
-    """The default polling-error handler: stop, as the original does."""
-    return True
-
-
-@dataclass(frozen=True)
-class WorkerOptions:
-    """A queue worker's options, checked; see create_queue_worker for their meaning."""
-
-    queue: str = DEFAULT_QUEUE
-    #: The queues served, in claim order (``queue`` alone when not given; ``queue`` is then
-    #: the first of them).
-    queues: tuple[str, ...] = ()
-    worker_threads: int = DEFAULT_WORKER_THREADS
-    polling_interval: float = DEFAULT_POLLING_INTERVAL
-    retry_strategy: RetryStrategyFn | None = None
-    failed_job_handler: FailedJobHandler | None = None
-    on_polling_error: PollingErrorHandler = _stop_on_polling_error
-    handler_mode: Literal["default", "advanced"] = "default"
-    install_signal_handlers: bool = False
-    on_shutdown: Callable[[], object] | None = None
-    await_termination_timeout: float = DEFAULT_AWAIT_TERMINATION_TIMEOUT
-    worker_id: str | None = None
-    serializer: Serializer = field(default=DEFAULT_SERIALIZER)
-    clock: Clock = utc_now
-    max_unclean_ends: int | None = DEFAULT_MAX_UNCLEAN_ENDS
-    batch_size: int = DEFAULT_BATCH_SIZE
-    poll_only: bool = False
-    periodic_jobs: tuple[PeriodicJob, ...] = ()
-    reconnect_grace: float = DEFAULT_RECONNECT_GRACE
-    lease_seconds: float | None = None
-    heartbeat_interval: float | None = None
-    job_timeout: float | None = None
-
-    def __post_init__(self) -> None:
-        queues = check_queues(self.queues) if self.queues != () else (self.queue,)
-        check_name("queue", self.queue)
-        if self.queues != () and self.queue not in (DEFAULT_QUEUE, queues[0]):
-            raise ConfigurationError(
-                f"queue is {self.queue!r} and queues is {list(queues)!r}; give one of them "
-                "(queues=[...] for several queues, claimed in the order given)"
-            )
-        object.__setattr__(self, "queues", queues)
-        object.__setattr__(self, "queue", queues[0])
-        _positive_int("worker_threads", self.worker_threads)
-        _positive("polling_interval", self.polling_interval)
-        _non_negative("await_termination_timeout", self.await_termination_timeout)
-        _non_negative("reconnect_grace", self.reconnect_grace)
-        if self.handler_mode not in ("default", "advanced"):
-            raise ConfigurationError(
-                f"handler_mode is {self.handler_mode!r}; use 'default' for "
-                "handler(job_type, payload) or 'advanced' for handler(job)"
-            )
-        for name in ("retry_strategy", "failed_job_handler", "on_polling_error", "on_shutdown"):
-            value = getattr(self, name)
-            if value is not None and not callable(value):
-                raise ConfigurationError(f"{name} is {value!r}; give a function or None")
-        if self.max_unclean_ends is not None:
-            _positive_int("max_unclean_ends", self.max_unclean_ends)
-        _positive_int("batch_size", self.batch_size)
-        for flag in ("poll_only", "install_signal_handlers"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ConfigurationError(f"{flag} is {getattr(self, flag)!r}; give True or False")
-        if self.batch_size > MAX_BATCH_SIZE:
-            raise ConfigurationError(
-                f"batch_size is {self.batch_size}; give at most {MAX_BATCH_SIZE} (a batch "
-                "holds its jobs' row locks until its last handler has run)"
-            )
-        check_lease_settings(self.lease_seconds, self.heartbeat_interval, self.job_timeout)
-        if self.worker_id is None:
-            object.__setattr__(self, "worker_id", f"proletarian[{','.join(queues)}]")
-        object.__setattr__(self, "periodic_jobs", check_periodic_jobs(self.periodic_jobs))
-
-    @classmethod
-    def from_kwargs(cls, options: dict[str, Any]) -> WorkerOptions:
-        """Build options from keyword arguments, naming any that do not exist."""
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ConfigurationError(
-                f"unknown worker option(s) {', '.join(unknown)}; "
-                f"the options are {', '.join(sorted(known))}"
-            )
-        if "queue" in options and "queues" in options:
-            raise ConfigurationError(
-                "both queue and queues were given; give queue='name' for one queue, or "
-                "queues=[...] for several, claimed in the order given"
-            )
-        return cls(**options)
-
-    def run_settings(self, handler: Callable[..., Any]) -> RunSettings:
-        if not callable(handler):
-            raise ConfigurationError(f"the handler is {handler!r}; give a function")
-        assert self.worker_id is not None
-        return RunSettings(
-            queues=self.queues,
-            handler=handler,
-            handler_mode=self.handler_mode,
-            retry_strategy=self.retry_strategy,
-            failed_job_handler=self.failed_job_handler,
-            serializer=self.serializer,
-            clock=self.clock,
-            worker_id=self.worker_id,
-            max_unclean_ends=self.max_unclean_ends,
-            batch_size=self.batch_size,
-            reconnect_grace=self.reconnect_grace,
-            lease_seconds=self.lease_seconds,
-            heartbeat_interval=self.heartbeat_interval,
-            job_timeout=self.job_timeout,
-        )
+#: The worker's own names, and those of its options (module ``options``) and exit status
+#: (module ``exits``), which are named here too.
+__all__ = [
+    "DEFAULT_AWAIT_TERMINATION_TIMEOUT",
+    "DEFAULT_BATCH_SIZE",
+    "DEFAULT_MAX_UNCLEAN_ENDS",
+    "DEFAULT_POLLING_INTERVAL",
+    "DEFAULT_RECONNECT_GRACE",
+    "DEFAULT_WORKER_THREADS",
+    "EXIT_JOBS_UNFINISHED",
+    "LISTENING_POLL_INTERVAL",
+    "MAX_BATCH_SIZE",
+    "QueueWorker",
+    "WorkerOptions",
+    "create_queue_worker",
+    "process_next_job",
+    "scheduler_for",
+]
 
 
 def scheduler_for(dialect: Dialect, options: WorkerOptions) -> Scheduler | None:
@@ -174,42 +78,6 @@ def scheduler_for(dialect: Dialect, options: WorkerOptions) -> Scheduler | None:
         clock=options.clock,
         interval=options.polling_interval,
     )
-
-
-def check_queues(queues: object) -> tuple[str, ...]:
-    """The ``queues`` option as a tuple: one or more distinct queue names, in claim order."""
-    if isinstance(queues, str) or not isinstance(queues, list | tuple):
-        raise ConfigurationError(
-            f"queues is {queues!r}; give a list of queue names, e.g. queues=['critical', "
-            "'default'] (claimed in that order), or queue='name' for one queue"
-        )
-    if not queues:
-        raise ConfigurationError("queues is empty; give at least one queue name")
-    for name in queues:
-        check_name("queues", name)
-    repeated = sorted({name for name in queues if queues.count(name) > 1})
-    if repeated:
-        raise ConfigurationError(
-            f"queues names {', '.join(repeated)} more than once; give each queue once"
-        )
-    return tuple(queues)
-
-
-def _positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigurationError(f"{name} is {value!r}; give a whole number >= 1")
-
-
-def _positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ConfigurationError(
-            f"{name} is {value!r}; give a number of seconds > 0 (0 would poll without pause)"
-        )
-
-
-def _non_negative(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-        raise ConfigurationError(f"{name} is {value!r}; give a number of seconds >= 0")
 
 
 class QueueWorker:
@@ -594,7 +462,7 @@ class QueueWorker:
         if self._signal_received is not None:
             # A second signal while jobs finish: exit now; their transactions roll back.
             name = signal.Signals(signum).name
-            _write_stderr(f"{self.worker_id}: {name} again, exiting at once\n")
+            write_stderr(f"{self.worker_id}: {name} again, exiting at once\n")
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
@@ -632,7 +500,7 @@ class QueueWorker:
             self.stop()
             print(f"{self.worker_id} stopped: {self.summary_text()}", file=sys.stderr, flush=True)
         finally:
-            _exit_after_stop(self, signum)
+            exit_after_stop(self, signum)
 
     def _park_during_signal_exit(self) -> None:
         """While a signal ends the process, keep the calling thread (the main thread in
@@ -641,61 +509,6 @@ class QueueWorker:
             return
         while True:
             threading.Event().wait()
-
-
-#: Exit status of a worker process whose stop (on SIGTERM/SIGINT) gave up on running jobs
-#: when its shutdown timeout passed: they run again, but the stop was not clean.
-EXIT_JOBS_UNFINISHED = 4
-
-
-def unfinished_text(worker_id: str, unfinished: int, timeout: float) -> str:
-    """What a process says when its stop gave up on running jobs."""
-    jobs = "job" if unfinished == 1 else "jobs"
-    return (
-        f"{worker_id}: {unfinished} running {jobs} did not finish within the shutdown "
-        f"timeout ({timeout:g} s) and will run again: give longer jobs more time with "
-        "--shutdown-timeout (await_termination_timeout)"
-    )
-
-
-def _exit_after_stop(worker: QueueWorker | Any, signum: int) -> NoReturn:
-    """End the process after a stop on ``signum``: as the signal would have ended it, or,
-    when the stop gave up on running jobs, with EXIT_JOBS_UNFINISHED, saying so."""
-    if not worker.unfinished:
-        _exit_as_signal(signum)
-    try:
-        _write_stderr(
-            unfinished_text(
-                worker.worker_id, worker.unfinished, worker.options.await_termination_timeout
-            )
-            + "\n"
-        )
-        atexit._run_exitfuncs()
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        os._exit(EXIT_JOBS_UNFINISHED)
-
-
-def _exit_as_signal(signum: int) -> NoReturn:
-    """End the process the way ``signum`` would have ended it without a handler, after what
-    a normal exit runs: the atexit handlers, and logging's flush."""
-    try:
-        atexit._run_exitfuncs()
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        # The signal handler set SIG_DFL when it took the signal.
-        os.kill(os.getpid(), signum)
-        os._exit(128 + signum)  # only if something put a handler back meanwhile
-
-
-def _write_stderr(text: str) -> None:
-    """Write to standard error without Python's buffers (safe inside a signal handler)."""
-    with contextlib.suppress(OSError):
-        os.write(2, text.encode(errors="replace"))
 
 
 def _check_engine(engine: Engine) -> None:

@@ -30,6 +30,13 @@ from sqla_proletarian.cli.common import (
 )
 from sqla_proletarian.errors import ConfigurationError, ProletarianError
 from sqla_proletarian.handlers import JobHandlers
+from sqla_proletarian.options import (
+    DEFAULT_AWAIT_TERMINATION_TIMEOUT,
+    DEFAULT_MAX_UNCLEAN_ENDS,
+    DEFAULT_POLLING_INTERVAL,
+    DEFAULT_RECONNECT_GRACE,
+    WorkerOptions,
+)
 from sqla_proletarian.retry import RetryStrategy
 from sqla_proletarian.running import RetryStrategyFn
 from sqla_proletarian.supervisor import (
@@ -43,14 +50,7 @@ from sqla_proletarian.supervisor import (
     run_worker,
     stop_with_supervisor,
 )
-from sqla_proletarian.worker import (
-    DEFAULT_AWAIT_TERMINATION_TIMEOUT,
-    DEFAULT_MAX_UNCLEAN_ENDS,
-    DEFAULT_POLLING_INTERVAL,
-    DEFAULT_RECONNECT_GRACE,
-    QueueWorker,
-    WorkerOptions,
-)
+from sqla_proletarian.worker import QueueWorker
 
 if TYPE_CHECKING:
     from sqla_proletarian.aio import AsyncQueueWorker

@@ -1,0 +1,65 @@
+"""How a worker process ends after a stop on SIGTERM or SIGINT: as the signal would have
+ended it, or, when the stop gave up on running jobs, with ``EXIT_JOBS_UNFINISHED``."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import sys
+from typing import Any, NoReturn
+
+#: Exit status of a worker process whose stop (on SIGTERM/SIGINT) gave up on running jobs
+#: when its shutdown timeout passed: they run again, but the stop was not clean.
+EXIT_JOBS_UNFINISHED = 4
+
+
+def unfinished_text(worker_id: str, unfinished: int, timeout: float) -> str:
+    """What a process says when its stop gave up on running jobs."""
+    jobs = "job" if unfinished == 1 else "jobs"
+    return (
+        f"{worker_id}: {unfinished} running {jobs} did not finish within the shutdown "
+        f"timeout ({timeout:g} s) and will run again: give longer jobs more time with "
+        "--shutdown-timeout (await_termination_timeout)"
+    )
+
+
+def exit_after_stop(worker: Any, signum: int) -> NoReturn:
+    """End the process after a stop on ``signum``: as the signal would have ended it, or,
+    when the stop gave up on running jobs, with EXIT_JOBS_UNFINISHED, saying so."""
+    if not worker.unfinished:
+        exit_as_signal(signum)
+    try:
+        write_stderr(
+            unfinished_text(
+                worker.worker_id, worker.unfinished, worker.options.await_termination_timeout
+            )
+            + "\n"
+        )
+        atexit._run_exitfuncs()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(EXIT_JOBS_UNFINISHED)
+
+
+def exit_as_signal(signum: int) -> NoReturn:
+    """End the process the way ``signum`` would have ended it without a handler, after what
+    a normal exit runs: the atexit handlers, and logging's flush."""
+    try:
+        atexit._run_exitfuncs()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        # The signal handler set SIG_DFL when it took the signal.
+        os.kill(os.getpid(), signum)
+        os._exit(128 + signum)  # only if something put a handler back meanwhile
+
+
+def write_stderr(text: str) -> None:
+    """Write to standard error without Python's buffers (safe inside a signal handler)."""
+    with contextlib.suppress(OSError):
+        os.write(2, text.encode(errors="replace"))
