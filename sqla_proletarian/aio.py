@@ -260,7 +260,7 @@ class AsyncQueueWorker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._shutdown: asyncio.Task[None] | None = None
-        self._listener: _Listener | None = None
+        self._listener: wakeups.AsyncListener | None = None
         self._exception: BaseException | None = None
         self._unfinished = 0
         self._keeper: asyncio.Task[None] | None = None
@@ -359,8 +359,8 @@ class AsyncQueueWorker:
             raise ConfigurationError(f"worker {self.worker_id} was started already")
         self._loop = asyncio.get_running_loop()
         wakeups.register(self._engine.sync_engine, self.options.queues, self)
-        if not self.options.poll_only and _Listener.supported(self._engine):
-            self._listener = _Listener(self._engine, self.options.queues, self.wake)
+        if not self.options.poll_only and wakeups.AsyncListener.supported(self._engine):
+            self._listener = wakeups.AsyncListener(self._engine, self.options.queues, self.wake)
             self._listener.start()
         log_event(
             logging.INFO,
@@ -595,86 +595,6 @@ class AsyncQueueWorker:
             await woken.wait()
         else:
             await _wait(woken, pause)
-
-
-class _Listener:
-    """A task that LISTENs on PostgreSQL through the engine's own asyncio driver (asyncpg's
-    ``add_listener``, or psycopg's ``notifies()``), on a connection of its own outside the
-    pool, and wakes the worker when one of its queues gets a job. Reconnects after errors, backing
-    off up to 5 s; ``listening`` says whether it is listening now, and each change wakes the
-    worker, whose poll then finds a job committed while it was not.
-    """
-
-    def __init__(
-        self, engine: AsyncEngine, queues: tuple[str, ...], wake: Callable[[], None]
-    ) -> None:
-        self.engine = engine
-        self.queues = frozenset(queues)
-        self.name = ",".join(queues)
-        self.wake = wake
-        self.listening = False
-        self._task: asyncio.Task[None] | None = None
-
-    @staticmethod
-    def supported(engine: AsyncEngine) -> bool:
-        dialect = engine.sync_engine.dialect
-        return dialect.name == "postgresql" and dialect.driver in ("asyncpg", "psycopg")
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name=f"{self.name}-listener")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.wait({self._task})
-
-    async def _run(self) -> None:
-        backoff = 0.05
-        while True:
-            try:
-                await self._listen()
-            except Exception as exc:
-                log_event(logging.WARNING, "listen-error", queue=self.name, error=repr(exc))
-                await asyncio.sleep(backoff)
-                backoff = min(5.0, backoff * 2)
-
-    async def _listen(self) -> None:
-        raw = await greenlet_spawn(self.engine.sync_engine.raw_connection)
-        driver: Any = raw.driver_connection
-        raw.detach()  # the worker's own, not counted against the pool
-        try:
-            if self.engine.sync_engine.dialect.driver == "asyncpg":
-                await self._listen_asyncpg(driver)
-            else:
-                await driver.set_autocommit(True)
-                await driver.execute(f"LISTEN {wakeups.CHANNEL}")
-                self._listening(True)
-                async for note in driver.notifies():
-                    if note.payload in self.queues:
-                        self.wake()
-        finally:
-            self._listening(False)
-            with contextlib.suppress(Exception):
-                await driver.close()
-
-    def _listening(self, listening: bool) -> None:
-        """Note whether LISTEN is in effect, waking the worker at each change."""
-        if listening != self.listening:
-            self.listening = listening
-            self.wake()
-
-    async def _listen_asyncpg(self, driver: Any) -> None:
-        lost = asyncio.Event()
-
-        def notified(conn: object, pid: int, channel: str, payload: str) -> None:
-            if payload in self.queues:
-                self.wake()
-
-        driver.add_termination_listener(lambda conn: lost.set())
-        await driver.add_listener(wakeups.CHANNEL, notified)
-        self._listening(True)
-        await lost.wait()
-        raise ConnectionError("the LISTEN connection was closed")
 
 
 def _check_concurrency(value: object) -> int:

@@ -6,9 +6,10 @@ Two ways, both on top of polling, which stays the fallback:
   ``metadata.create_all``) NOTIFYs each queue that got jobs. The server sends one
   notification per transaction and queue (NOTIFY serialises committing transactions, so
   never one per job), at the commit, never for a rollback, whoever inserted the rows, and
-  costs the enqueue no round trip. Each worker holds one listening connection
-  (``poll_only=True`` turns it off, e.g. behind a transaction-pooling proxy, where LISTEN
-  does not work).
+  costs the enqueue no round trip. Each worker holds one listening connection: a thread
+  (``Listener``, psycopg 3 and psycopg2) or, for the asyncio worker, a task
+  (``AsyncListener``, asyncpg and psycopg's async side). ``poll_only=True`` turns it off,
+  e.g. behind a transaction-pooling proxy, where LISTEN does not work.
 - **In the same process** (every backend): the enqueue marks its connection, and the
   connection's commit wakes this process's idle workers of that queue; a rollback, or the
   pool's reset of a connection returned inside its transaction, clears the mark. The commit
@@ -18,17 +19,22 @@ Two ways, both on top of polling, which stays the fallback:
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import select
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, Engine, event
 from sqlalchemy.pool import ConnectionPoolEntry
 
 from sqla_proletarian.logs import log_event
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
 
 #: The NOTIFY channel; the payload is the queue name.
 CHANNEL = "sqla_proletarian"
@@ -194,3 +200,86 @@ class Listener:
         if listening != self.listening:
             self.listening = listening
             self.wake()
+
+
+class AsyncListener:
+    """The asyncio worker's ``Listener``: a task that LISTENs on PostgreSQL through the
+    engine's own asyncio driver (asyncpg's
+    ``add_listener``, or psycopg's ``notifies()``), on a connection of its own outside the
+    pool, and wakes the worker when one of its queues gets a job. Reconnects after errors, backing
+    off up to 5 s; ``listening`` says whether it is listening now, and each change wakes the
+    worker, whose poll then finds a job committed while it was not.
+    """
+
+    def __init__(
+        self, engine: AsyncEngine, queues: tuple[str, ...], wake: Callable[[], None]
+    ) -> None:
+        self.engine = engine
+        self.queues = frozenset(queues)
+        self.name = ",".join(queues)
+        self.wake = wake
+        self.listening = False
+        self._task: asyncio.Task[None] | None = None
+
+    @staticmethod
+    def supported(engine: AsyncEngine) -> bool:
+        dialect = engine.sync_engine.dialect
+        return dialect.name == "postgresql" and dialect.driver in ("asyncpg", "psycopg")
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"{self.name}-listener")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait({self._task})
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while True:
+            try:
+                await self._listen()
+            except Exception as exc:
+                log_event(logging.WARNING, "listen-error", queue=self.name, error=repr(exc))
+                await asyncio.sleep(backoff)
+                backoff = min(5.0, backoff * 2)
+
+    async def _listen(self) -> None:
+        from sqlalchemy.util import greenlet_spawn  # the asyncio worker has greenlet
+
+        raw = await greenlet_spawn(self.engine.sync_engine.raw_connection)
+        driver: Any = raw.driver_connection
+        raw.detach()  # the worker's own, not counted against the pool
+        try:
+            if self.engine.sync_engine.dialect.driver == "asyncpg":
+                await self._listen_asyncpg(driver)
+            else:
+                await driver.set_autocommit(True)
+                await driver.execute(f"LISTEN {CHANNEL}")
+                self._listening(True)
+                async for note in driver.notifies():
+                    if note.payload in self.queues:
+                        self.wake()
+        finally:
+            self._listening(False)
+            with contextlib.suppress(Exception):
+                await driver.close()
+
+    def _listening(self, listening: bool) -> None:
+        """Note whether LISTEN is in effect, waking the worker at each change."""
+        if listening != self.listening:
+            self.listening = listening
+            self.wake()
+
+    async def _listen_asyncpg(self, driver: Any) -> None:
+        lost = asyncio.Event()
+
+        def notified(conn: object, pid: int, channel: str, payload: str) -> None:
+            if payload in self.queues:
+                self.wake()
+
+        driver.add_termination_listener(lambda conn: lost.set())
+        await driver.add_listener(CHANNEL, notified)
+        self._listening(True)
+        await lost.wait()
+        raise ConnectionError("the LISTEN connection was closed")
