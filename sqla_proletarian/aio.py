@@ -366,7 +366,7 @@ class AsyncQueueWorker:
             logging.INFO,
             "queue-worker-starting",
             worker_id=self.worker_id,
-            queue=",".join(self.options.queues),
+            queue=self.options.queue_names,
             concurrency=self.concurrency,
         )
         self._tasks = [

@@ -287,18 +287,22 @@ class JobRunner(RunnerBase):
         jobs run again. SQLite cannot do this while the running job holds its write lock.
         """
         in_flight = list(self._in_flight.values())
-        if not self._separate_ledger:
-            return len(in_flight)
+        if self._separate_ledger:
+            self._end_abandoned_runs(in_flight)
+        return len(in_flight)
+
+    def _end_abandoned_runs(self, in_flight: list[WorkerConnections]) -> None:
+        """Remove the run records of the abandoned claims, on a ledger connection."""
         records = [c.record for c in in_flight if c.record is not None]
         run_ids = [pair for r in records for pair in r.run_ids.items()]
         if not run_ids:
-            return len(in_flight)
+            return
         try:
             with self.dialect.ledger_connection(self.engine) as conn:
                 conn.execute(*sql.end_runs_by_id(run_ids, force_index=self.dialect.force_index))
         except Exception as exc:
             log_event(logging.WARNING, "run-record-cleanup-error", error=repr(exc))
-            return len(in_flight)
+            return
         log_event(
             logging.INFO,
             "runs-abandoned",
@@ -307,7 +311,6 @@ class JobRunner(RunnerBase):
             hint="their jobs roll back when the process exits and run again, without an "
             "unclean end",
         )
-        return len(in_flight)
 
     # --- one claim ------------------------------------------------------------------------
 

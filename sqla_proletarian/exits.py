@@ -15,13 +15,14 @@ from typing import Any, NoReturn
 EXIT_JOBS_UNFINISHED = 4
 
 
-def unfinished_text(worker_id: str, unfinished: int, timeout: float) -> str:
-    """What a process says when its stop gave up on running jobs."""
+def unfinished_text(who: str, unfinished: int, timeout: float | None = None) -> str:
+    """What a worker process (or their supervisor, which has no one timeout) says when its
+    stop gave up on running jobs."""
     jobs = "job" if unfinished == 1 else "jobs"
+    within = "the shutdown timeout" + (f" ({timeout:g} s)" if timeout is not None else "")
     return (
-        f"{worker_id}: {unfinished} running {jobs} did not finish within the shutdown "
-        f"timeout ({timeout:g} s) and will run again: give longer jobs more time with "
-        "--shutdown-timeout (await_termination_timeout)"
+        f"{who}: {unfinished} running {jobs} did not finish within {within} and will run "
+        "again: give longer jobs more time with --shutdown-timeout (await_termination_timeout)"
     )
 
 
@@ -37,10 +38,7 @@ def exit_after_stop(worker: Any, signum: int) -> NoReturn:
             )
             + "\n"
         )
-        atexit._run_exitfuncs()
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        _run_exit_handlers()
     finally:
         os._exit(EXIT_JOBS_UNFINISHED)
 
@@ -49,14 +47,20 @@ def exit_as_signal(signum: int) -> NoReturn:
     """End the process the way ``signum`` would have ended it without a handler, after what
     a normal exit runs: the atexit handlers, and logging's flush."""
     try:
-        atexit._run_exitfuncs()
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        _run_exit_handlers()
     finally:
         # The signal handler set SIG_DFL when it took the signal.
         os.kill(os.getpid(), signum)
         os._exit(128 + signum)  # only if something put a handler back meanwhile
+
+
+def _run_exit_handlers() -> None:
+    """What a normal exit runs before the process ends: the atexit handlers, logging's
+    flush, and the standard streams' buffers."""
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
 
 
 def write_stderr(text: str) -> None:

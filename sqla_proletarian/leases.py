@@ -355,9 +355,12 @@ class LeaseRunner(RunnerBase):
         their jobs are due again at once, without an unclean end, and each handler is asked
         to stop; their late outcomes are fenced off. How many runs were given up."""
         released = [run for run in self._running() if run.begin_ending()]
-        given_up = len(released)
-        if not released:
-            return 0
+        if released:
+            self._release_abandoned(released)
+        return len(released)
+
+    def _release_abandoned(self, released: list[LeasedRun]) -> None:
+        """Ask the abandoned runs' handlers to stop and give their leases back."""
         for run in released:
             run.signal.request("stopping")
         # SQLite: a handler whose session is open holds the database's write lock, so its
@@ -372,13 +375,13 @@ class LeaseRunner(RunnerBase):
         released = [run for run in released if run not in locked]
         self._forget(*locked)
         if not released:
-            return given_up
+            return
         try:
             self._execute(sql.release_leases([r.job_id for r in released], self._tokens(released)))
         except Exception as exc:
             # Its late end tries again.
             log_event(logging.WARNING, "lease-release-error", error=repr(exc))
-            return given_up
+            return
         finally:
             self._forget(*released)
         for run in released:
@@ -391,7 +394,6 @@ class LeaseRunner(RunnerBase):
             hint="their jobs are due again at once, without an unclean end; what their "
             "handlers still write through job.session is discarded",
         )
-        return given_up
 
     # --- what a worker's poller and its threads call (feeder) ---------------------------
 

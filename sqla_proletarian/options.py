@@ -104,8 +104,13 @@ class WorkerOptions:
             )
         check_lease_settings(self.lease_seconds, self.heartbeat_interval, self.job_timeout)
         if self.worker_id is None:
-            object.__setattr__(self, "worker_id", f"proletarian[{','.join(queues)}]")
+            object.__setattr__(self, "worker_id", f"proletarian[{self.queue_names}]")
         object.__setattr__(self, "periodic_jobs", check_periodic_jobs(self.periodic_jobs))
+
+    @property
+    def queue_names(self) -> str:
+        """The queues as names and logs show them: comma-separated, in claim order."""
+        return ",".join(self.queues)
 
     @classmethod
     def from_kwargs(cls, options: dict[str, Any]) -> WorkerOptions:

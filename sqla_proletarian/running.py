@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -192,15 +192,7 @@ class RunnerBase:
 
     def _read_each(self, conn: Connection, statement: Callable[[str], sql.Statement]) -> list[Any]:
         """The rows of one read per queue, in a transaction of their own on ``conn``."""
-        try:
-            rows = [
-                row for queue in self.settings.queues for row in conn.execute(*statement(queue))
-            ]
-            conn.rollback()
-        except BaseException:
-            rollback_quietly(conn)
-            raise
-        return rows
+        return read_rows(conn, (statement(queue) for queue in self.settings.queues))
 
     def _commits(self, conn: Connection) -> int:
         """SQLite's count of other connections' commits to the file, as seen from ``conn``."""
@@ -344,13 +336,19 @@ class RunnerBase:
 
 def read_alone(conn: Connection, statement: sql.Statement) -> Any:
     """The first row of one read on the claim's connection, in a transaction of its own."""
+    rows = read_rows(conn, [statement])
+    return rows[0] if rows else None
+
+
+def read_rows(conn: Connection, statements: Iterable[sql.Statement]) -> list[Any]:
+    """The rows of some reads on the claim's connection, in one transaction of their own."""
     try:
-        row = conn.execute(*statement).first()
+        rows = [row for statement in statements for row in conn.execute(*statement)]
         conn.rollback()
     except BaseException:
         rollback_quietly(conn)
         raise
-    return row
+    return rows
 
 
 def rollback_quietly(conn: Connection) -> None:

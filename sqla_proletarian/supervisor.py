@@ -40,7 +40,7 @@ from sqlalchemy import Engine
 from sqla_proletarian import statements as sql
 from sqla_proletarian.dialects import dialect_of
 from sqla_proletarian.errors import is_transient
-from sqla_proletarian.exits import EXIT_JOBS_UNFINISHED
+from sqla_proletarian.exits import EXIT_JOBS_UNFINISHED, unfinished_text
 from sqla_proletarian.logs import log_event
 from sqla_proletarian.options import WorkerOptions
 from sqla_proletarian.worker import QueueWorker, create_queue_worker
@@ -267,13 +267,8 @@ class Supervisor:
         if self._unclean:
             return EXIT_UNCLEAN
         if self._unfinished:
-            jobs = "job" if self._unfinished == 1 else "jobs"
             print(
-                f"sqla-proletarian: {self._unfinished} running {jobs} did not finish within "
-                "the shutdown timeout and will run again: give longer jobs more time with "
-                "--shutdown-timeout",
-                file=sys.stderr,
-                flush=True,
+                unfinished_text("sqla-proletarian", self._unfinished), file=sys.stderr, flush=True
             )
             return EXIT_JOBS_UNFINISHED
         return EXIT_JOBS_FAILED if self.burst and self._totals["failed"] else EXIT_OK

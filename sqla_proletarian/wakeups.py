@@ -119,7 +119,32 @@ def wake_local(database: str, queues: set[str], *, committing: bool) -> None:
         waker.wake_for_enqueue(committing)
 
 
-class Listener:
+class _Listening:
+    """What both listeners keep: the queues whose notifications wake the worker, and whether
+    LISTEN is in effect."""
+
+    def __init__(self, queues: tuple[str, ...], wake: Callable[[], None]) -> None:
+        self.queues = frozenset(queues)
+        #: The queues, in the worker's order, as logs and thread names show them.
+        self.name = ",".join(queues)
+        self.wake = wake
+        #: True while LISTEN is in effect: a commit then wakes the worker (see ``_listening``).
+        self.listening = False
+
+    def _notified(self, payload: str) -> None:
+        """A notification for ``payload``'s queue: wake the worker if it serves it."""
+        if payload in self.queues:
+            self.wake()
+
+    def _listening(self, listening: bool) -> None:
+        """Note whether LISTEN is in effect, waking the worker at each change: it polls once
+        for what was committed while nobody listened, and paces its polls to match."""
+        if listening != self.listening:
+            self.listening = listening
+            self.wake()
+
+
+class Listener(_Listening):
     """A thread that LISTENs on PostgreSQL and wakes a worker when one of its queues gets a job.
 
     Works with psycopg 3 and psycopg2; with other drivers it does not start (polling goes on).
@@ -129,14 +154,10 @@ class Listener:
     """
 
     def __init__(self, engine: Engine, queues: tuple[str, ...], wake: Callable[[], None]) -> None:
+        super().__init__(queues, wake)
         self.engine = engine
-        self.queues = frozenset(queues)
-        self.wake = wake
         self._stop = threading.Event()
-        #: True while LISTEN is in effect: a commit then wakes the worker (see ``_listening``).
-        self.listening = False
-        name = f"{','.join(queues)}-listener"
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"{self.name}-listener", daemon=True)
 
     @staticmethod
     def supported(engine: Engine) -> bool:
@@ -161,9 +182,7 @@ class Listener:
             except Exception as exc:
                 if self._stop.is_set():
                     return
-                log_event(
-                    logging.WARNING, "listen-error", queue=",".join(self.queues), error=repr(exc)
-                )
+                log_event(logging.WARNING, "listen-error", queue=self.name, error=repr(exc))
                 self._stop.wait(backoff)
                 backoff = min(5.0, backoff * 2)
 
@@ -178,8 +197,7 @@ class Listener:
                 self._listening(True)
                 while not self._stop.is_set():
                     for note in driver.notifies(timeout=0.5, stop_after=1):
-                        if note.payload in self.queues:
-                            self.wake()
+                        self._notified(note.payload)
             else:
                 driver.autocommit = True
                 driver.cursor().execute(f"LISTEN {CHANNEL}")
@@ -194,31 +212,21 @@ class Listener:
             self._listening(False)
             driver.close()
 
-    def _listening(self, listening: bool) -> None:
-        """Note whether LISTEN is in effect, waking the worker at each change: it polls once
-        for what was committed while nobody listened, and paces its polls to match."""
-        if listening != self.listening:
-            self.listening = listening
-            self.wake()
 
-
-class AsyncListener:
+class AsyncListener(_Listening):
     """The asyncio worker's ``Listener``: a task that LISTENs on PostgreSQL through the
-    engine's own asyncio driver (asyncpg's
-    ``add_listener``, or psycopg's ``notifies()``), on a connection of its own outside the
-    pool, and wakes the worker when one of its queues gets a job. Reconnects after errors, backing
-    off up to 5 s; ``listening`` says whether it is listening now, and each change wakes the
-    worker, whose poll then finds a job committed while it was not.
+    engine's own asyncio driver (asyncpg's ``add_listener``, or psycopg's ``notifies()``),
+    on a connection of its own outside the pool, and wakes the worker when one of its queues
+    gets a job. Reconnects after errors, backing off up to 5 s; ``listening`` says whether
+    it is listening now, and each change wakes the worker, whose poll then finds a job
+    committed while it was not.
     """
 
     def __init__(
         self, engine: AsyncEngine, queues: tuple[str, ...], wake: Callable[[], None]
     ) -> None:
+        super().__init__(queues, wake)
         self.engine = engine
-        self.queues = frozenset(queues)
-        self.name = ",".join(queues)
-        self.wake = wake
-        self.listening = False
         self._task: asyncio.Task[None] | None = None
 
     @staticmethod
@@ -258,25 +266,17 @@ class AsyncListener:
                 await driver.execute(f"LISTEN {CHANNEL}")
                 self._listening(True)
                 async for note in driver.notifies():
-                    if note.payload in self.queues:
-                        self.wake()
+                    self._notified(note.payload)
         finally:
             self._listening(False)
             with contextlib.suppress(Exception):
                 await driver.close()
 
-    def _listening(self, listening: bool) -> None:
-        """Note whether LISTEN is in effect, waking the worker at each change."""
-        if listening != self.listening:
-            self.listening = listening
-            self.wake()
-
     async def _listen_asyncpg(self, driver: Any) -> None:
         lost = asyncio.Event()
 
         def notified(conn: object, pid: int, channel: str, payload: str) -> None:
-            if payload in self.queues:
-                self.wake()
+            self._notified(payload)
 
         driver.add_termination_listener(lambda conn: lost.set())
         await driver.add_listener(CHANNEL, notified)

@@ -162,7 +162,7 @@ class QueueWorker:
             logging.INFO,
             "queue-worker-starting",
             worker_id=self.worker_id,
-            queue=",".join(self.options.queues),
+            queue=self.options.queue_names,
             worker_threads=self.options.worker_threads,
         )
         self._runner.start_keeping_owner()

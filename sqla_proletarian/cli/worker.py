@@ -225,7 +225,7 @@ def worker(args: argparse.Namespace) -> int:
         options["periodic_jobs"] = periodic
     checked = WorkerOptions.from_kwargs(options)
     if args.process_index is not None:
-        options["worker_id"] = f"proletarian[{','.join(checked.queues)}]#{args.process_index}"
+        options["worker_id"] = f"{checked.worker_id}#{args.process_index}"
     # A queue named (by --queue or worker_options) that never held a job is most likely
     # misspelt: said once (by the first of several processes).
     named = checked.queues if _QUEUE_OPTIONS & set(options) else ()
