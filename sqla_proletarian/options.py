@@ -165,7 +165,7 @@ def check_queues(queues: object) -> tuple[str, ...]:
     repeated = sorted({name for name in queues if queues.count(name) > 1})
     if repeated:
         raise ConfigurationError(
-            f"queues names {', '.join(repeated)} more than once; give each queue once"
+            f"queues lists {', '.join(map(repr, repeated))} more than once; give each queue once"
         )
     return tuple(queues)
 

@@ -251,7 +251,7 @@ def test_the_asyncio_worker_claims_its_queues_in_order(
     [
         ({"queues": "critical"}, "give a list of queue names"),
         ({"queues": []}, "queues is empty"),
-        ({"queues": ["a", "b", "a"]}, "names a more than once"),
+        ({"queues": ["a", "b", "a"]}, "lists 'a' more than once"),
         ({"queues": ["a", ""]}, "is empty"),
         ({"queues": ["a", 3]}, "give a string"),
         ({"queue": "a", "queues": ["b"]}, "both queue and queues"),
