@@ -489,7 +489,8 @@ class QueueWorker:
         exit_thread.start()
 
     def _exit_on_signal(self, signum: int) -> None:
-        """Stop gracefully, print the summary, then exit as the signal would have."""
+        """Stop gracefully, print the summary, then exit as the signal would have (or with
+        EXIT_JOBS_UNFINISHED when the stop gave up on running jobs)."""
         try:
             name = signal.Signals(signum).name
             print(
