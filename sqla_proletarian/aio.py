@@ -246,6 +246,7 @@ class AsyncQueueWorker:
             new_lock=_TaskLock,
             unit_name=_task_name,
             sleep=_task_sleep,
+            spawn=self._spawn,
         )
         _check_pool(
             sync_engine,
@@ -266,6 +267,8 @@ class AsyncQueueWorker:
         self._keeper: asyncio.Task[None] | None = None
         #: Lease mode: the tasks running handlers (a handler's stop() only asks for it).
         self._handler_tasks: set[asyncio.Future[Any]] = set()
+        #: Lease mode: the tasks writing timed-out jobs' outcomes, off the heartbeat's task.
+        self._outcome_tasks: set[asyncio.Task[Any]] = set()
         #: Transaction mode: one idle task at a time (the watcher) polls; the others wait for
         #: ``_woken``, set (and replaced) at each wake-up. Lease mode: each task polls, and
         #: waits for ``_wakeup``.
@@ -375,6 +378,14 @@ class AsyncQueueWorker:
         ]
         self._keeper = asyncio.create_task(self._keep_owner(), name=f"{self.worker_id}-owner")
         return self
+
+    def _spawn(self, work: Callable[[], None]) -> None:
+        """Run a runner's ``work`` (a timed-out job's outcome) in a task of its own, so that
+        the heartbeat's task goes on renewing leases meanwhile; the stop waits for it."""
+        assert self._loop is not None
+        task = self._loop.create_task(greenlet_spawn(work), name=f"{self.worker_id}-timeout")
+        self._outcome_tasks.add(task)
+        task.add_done_callback(self._outcome_tasks.discard)
 
     async def _keep_owner(self) -> None:
         """Check the run-record owner's session every ledger.KEEPER_INTERVAL until the worker
@@ -498,6 +509,9 @@ class AsyncQueueWorker:
                 logging.INFO, "completed-shutdown", worker_id=self.worker_id, **self.summary()
             )
         finally:
+            if self._outcome_tasks:
+                # The keeper renews their leases until their outcomes are written.
+                await asyncio.wait(set(self._outcome_tasks))
             if self._keeper is not None:
                 self._keeper.cancel()
             with contextlib.suppress(Exception):

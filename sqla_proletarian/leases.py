@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -56,6 +57,8 @@ from sqla_proletarian.running import (
 TIMEOUT_CHECK = 0.1
 #: Seconds between attempts to give a lease back while the database is out of reach.
 GIVE_BACK_PAUSE = 0.5
+#: Seconds close() waits at least for a timed-out job's outcome to be written.
+OUTCOME_WAIT = 10.0
 
 
 class LeaseSession(JobSession):
@@ -230,6 +233,8 @@ class LeasedRun:
     claimed_at: datetime | None = None
     #: Whether its lease was given back (released or ended to be counted).
     released: bool = False
+    #: Whether its handler was started (a lease given back then keeps the run's count).
+    ran: bool = False
     #: The job's session while its handler runs.
     session: LeaseSession | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -241,6 +246,7 @@ class LeasedRun:
     def start(self) -> None:
         with self._lock:
             self.state = "running"
+            self.ran = True
             self.started = time.monotonic()
 
     def begin_ending(self) -> bool:
@@ -277,6 +283,10 @@ class LeaseRunner(RunnerBase):
         self._keeper: threading.Thread | None = None
         #: The server's idle-transaction limit, once read (0: none).
         self._idle_timeout: tuple[float] | None = None
+        #: Where a timed-out job's outcome is written: a thread of its own, or the asyncio
+        #: worker's task (``spawn``).
+        self._outcome_threads: list[threading.Thread] = []
+        self._spawn = self._spawner or self._spawn_thread
 
     # --- what the workers call --------------------------------------------------------------
 
@@ -330,7 +340,13 @@ class LeaseRunner(RunnerBase):
         self._keeper.start()
 
     def close(self) -> None:
-        """Stop the heartbeat (after the last claim)."""
+        """Wait for the timed-out jobs' outcomes, then stop the heartbeat (after the last
+        claim): it renews their leases until they are written."""
+        with self._runs_lock:
+            outcomes, self._outcome_threads = self._outcome_threads, []
+        for thread in outcomes:
+            if thread is not threading.current_thread():
+                thread.join(timeout=max(self._lease.total_seconds(), OUTCOME_WAIT))
         self._closed.set()
         keeper, self._keeper = self._keeper, None
         if keeper is not None and keeper is not threading.current_thread():
@@ -377,7 +393,12 @@ class LeaseRunner(RunnerBase):
         if not released:
             return
         try:
-            self._execute(sql.release_leases([r.job_id for r in released], self._tokens(released)))
+            with self._short_transaction() as conn:
+                for ran in (False, True):
+                    runs = [run for run in released if run.ran == ran]
+                    if runs:
+                        ids = [run.job_id for run in runs]
+                        conn.execute(*sql.release_leases(ids, self._tokens(runs), ran=ran))
         except Exception as exc:
             # Its late end tries again.
             log_event(logging.WARNING, "lease-release-error", error=repr(exc))
@@ -391,8 +412,9 @@ class LeaseRunner(RunnerBase):
             "leases-released",
             worker_id=self.settings.worker_id,
             jobs=len(released),
-            hint="their jobs are due again at once, without an unclean end; what their "
-            "handlers still write through job.session is discarded",
+            hint="their jobs are due again at once, without an unclean end (a run that had "
+            "started is counted in attempts, not as a retry); what their handlers still write "
+            "through job.session is discarded",
         )
 
     # --- what a worker's poller and its threads call (feeder) ---------------------------
@@ -564,7 +586,11 @@ class LeaseRunner(RunnerBase):
         context: JobContext,
         decode_error: Exception | None,
     ) -> Exception | None:
-        """Run the handler; the exception it raised, if any."""
+        """Run the handler; the exception it raised, if any. A run asked to stop before it
+        started (a cancel the heartbeat found while it waited in the worker's queue) does not
+        call it."""
+        if run.signal.reason is not None:
+            return None
         try:
             if decode_error is not None:
                 raise decode_error
@@ -614,8 +640,8 @@ class LeaseRunner(RunnerBase):
             return None, None
         if reason == "cancelled":
             session.abandon()
-            self._write(run, session, "cancelled", None)
-            log_event(logging.INFO, "job-cancelled", **fields, hint="cancelled while running")
+            if self._write(run, session, "cancelled", None):
+                self._log_cancelled(run)
             return None, None
         if error is None:
             try:
@@ -651,11 +677,11 @@ class LeaseRunner(RunnerBase):
         run's token (the others' leases were taken: fenced off). A failure is tried once
         more on a fresh connection (the fence keeps a committed first try from archiving
         twice); if that fails too, the leases are given back, or left to expire."""
-        kept: set[uuid.UUID] | None = None
+        ended: tuple[set[uuid.UUID], set[uuid.UUID]] | None = None
         try:
             for last in (False, True):
                 try:
-                    kept = self._end_together(runs)
+                    ended = self._end_together(runs)
                     break
                 except Exception as exc:
                     if not last:
@@ -670,18 +696,22 @@ class LeaseRunner(RunnerBase):
                     return self._not_completed(runs, exc)
         finally:
             self._forget(*runs)
-        assert kept is not None
+        assert ended is not None
+        kept, cancelled = ended
         for run in runs:
             if run.job_id in kept:
                 log_event(logging.DEBUG, "job-finished", **self._fields(run.job))
                 self._finished(run.job, "succeeded", None)
+            elif run.job_id in cancelled:
+                self._log_cancelled(run)
             else:
                 self._fenced(run)
         return False
 
-    def _end_together(self, runs: list[LeasedRun]) -> set[uuid.UUID]:
+    def _end_together(self, runs: list[LeasedRun]) -> tuple[set[uuid.UUID], set[uuid.UUID]]:
         """Delete the runs' jobs that still carry their tokens and archive them as
-        succeeded, in one transaction; the ids it ended."""
+        succeeded (as cancelled where a cancel was requested before), in one transaction;
+        the ids it archived as succeeded, and as cancelled."""
         ids = [run.job_id for run in runs]
         (locking, params), delete = sql.end_leases(
             ids, self._tokens(runs), force_index=self.dialect.force_index
@@ -690,26 +720,27 @@ class LeaseRunner(RunnerBase):
         try:
             conn = session.outcome_connection()
             # A run's token fences its own job only (one flush holds several claims' runs).
-            rows = {(row[0], row[1]) for row in conn.execute(locking, params)}
-            kept = {run.job_id for run in runs if (run.job_id, run.token) in rows}
-            if kept:
-                conn.execute(delete, {"ids": sorted(kept)})
+            rows = {(row[0], row[1]): row[2] for row in conn.execute(locking, params)}
+            held = [run for run in runs if (run.job_id, run.token) in rows]
+            cancelled = {run.job_id for run in held if rows[run.job_id, run.token] is not None}
+            kept = {run.job_id for run in held} - cancelled
+            if held:
+                conn.execute(delete, {"ids": sorted(run.job_id for run in held)})
                 now = self.now()
                 archived = [
                     sql.archive(
                         run.job,
-                        status="success",
+                        status="cancelled" if run.job_id in cancelled else "success",
                         attempts=run.job["attempts"] + 1,
                         finished_at=now,
                         error=None,
                         upsert=self.dialect.archive_upsert,
                     )
-                    for run in runs
-                    if run.job_id in kept
+                    for run in held
                 ]
                 conn.execute(archived[0][0], [values for _, values in archived])
             conn.commit()
-            return kept
+            return kept, cancelled
         finally:
             session.release()
 
@@ -725,7 +756,9 @@ class LeaseRunner(RunnerBase):
             hint="nothing was recorded; the jobs run again",
         )
         try:
-            self._execute(sql.release_leases([r.job_id for r in runs], self._tokens(runs)))
+            self._execute(
+                sql.release_leases([r.job_id for r in runs], self._tokens(runs), ran=True)
+            )
             return True
         except Exception as error:
             log_event(
@@ -767,8 +800,17 @@ class LeaseRunner(RunnerBase):
         self, run: LeasedRun, session: LeaseSession | None, status: str, error: Exception | None
     ) -> bool:
         """Remove the job where it still carries the run's token and archive it, in the
-        session's transaction (with the handler's writes); False if it was fenced off."""
+        session's transaction (with the handler's writes); False if it was fenced off, or
+        cancelled instead (see _write_fenced)."""
+        return self._write_fenced(run, session, self._remove_and_archive(run, status, error))
+
+    def _remove_and_archive(
+        self, run: LeasedRun, status: str, error: Exception | None
+    ) -> Callable[[Connection], int]:
+        """The write of a run's end with ``status``: the job removed where it still carries
+        the run's token (and, but for a cancel, has no cancel request), and archived."""
         attempts = run.job["attempts"] + 1
+        cancelling = status == "cancelled"
 
         def remove_and_archive(conn: Connection) -> int:
             if self.dialect.deletes_runs_with_job and not run.had_runs:
@@ -783,12 +825,13 @@ class LeaseRunner(RunnerBase):
                     upsert=self.dialect.archive_upsert,
                 )
                 return int(conn.execute(*statement).rowcount)
-            removed = conn.execute(*sql.end_lease(run.job_id, run.token)).rowcount
+            statement = sql.end_lease(run.job_id, run.token, cancelling=cancelling)
+            removed = conn.execute(*statement).rowcount
             if removed:
                 self._archive(conn, run.job, status, attempts, error, with_runs=run.had_runs)
             return int(removed)
 
-        return self._write_fenced(run, session, remove_and_archive)
+        return remove_and_archive
 
     def _write_fenced(
         self,
@@ -796,23 +839,41 @@ class LeaseRunner(RunnerBase):
         session: LeaseSession | None,
         write: Callable[[Connection], int],
     ) -> bool:
-        """Run ``write`` (which returns the rows it found by the run's token) and commit;
-        roll back if it found none. A failure to write leaves the lease to expire."""
+        """Run ``write`` (which returns the rows it found by the run's token, with no cancel
+        request) and commit. If it found none, roll back: the run was fenced off, or a cancel
+        was requested, which wins over any other outcome: the job is archived as cancelled
+        (what the handler wrote is discarded). A failure to write leaves the lease to
+        expire, or gives it back."""
         own = session if session is not None else LeaseSession(self.engine, self.dialect)
         try:
             conn = own.outcome_connection()
-            if not write(conn):
-                rollback_quietly(conn)
+            if write(conn):
+                conn.commit()
+                return True
+            held = conn.execute(*sql.cancel_requested(run.job_id, run.token)).first()
+            rollback_quietly(conn)
+            if held is None or held[0] is None:
                 self._fenced(run)
                 return False
-            conn.commit()
-            return True
+            # A cancel committed before this outcome: the job ends cancelled.
+            conn = own.outcome_connection()
+            if self._remove_and_archive(run, "cancelled", None)(conn):
+                conn.commit()
+                self._log_cancelled(run)
+            else:
+                rollback_quietly(conn)
+                self._fenced(run)
+            return False
         except Exception as exc:
             self._not_written(run, own, exc)
             return False
         finally:
             if session is None:
                 own.release()
+
+    def _log_cancelled(self, run: LeasedRun) -> None:
+        hint = "cancelled while running" if run.ran else "cancelled before it started"
+        log_event(logging.INFO, "job-cancelled", **self._fields(run.job), hint=hint)
 
     def _not_written(self, run: LeasedRun, session: LeaseSession, exc: Exception) -> None:
         """The outcome could not be written. A lost connection: the job runs again (see
@@ -868,11 +929,12 @@ class LeaseRunner(RunnerBase):
         return self._idle_timeout[0] or None
 
     def _give_back_statement(self, run: LeasedRun, *, charged: bool) -> sql.Statement:
-        """What makes a run's job due again now: a release (no unclean end), or an expiry
-        that keeps the token (``charged``: the next claim counts one)."""
+        """What makes a run's job due again now: a release (no unclean end; a run that
+        started stays counted in attempts), or an expiry that keeps the token (``charged``:
+        the next claim counts one)."""
         if charged:
             return sql.expire_lease(run.job_id, run.token, self.now())
-        return sql.release_leases([run.job_id], [run.token])
+        return sql.release_leases([run.job_id], [run.token], ran=run.ran)
 
     def _give_back(self, run: LeasedRun, *, charged: bool) -> None:
         """Make the job due again at once: released (no unclean end), or ``charged`` (its
@@ -921,7 +983,9 @@ class LeaseRunner(RunnerBase):
         for run in runs:
             run.begin_ending()
         try:
-            self._execute(sql.release_leases([r.job_id for r in runs], self._tokens(runs)))
+            self._execute(
+                sql.release_leases([r.job_id for r in runs], self._tokens(runs), ran=False)
+            )
         except Exception as exc:
             log_event(logging.WARNING, "lease-release-error", error=repr(exc))
         finally:
@@ -986,8 +1050,11 @@ class LeaseRunner(RunnerBase):
 
     def _beat(self) -> None:
         """Renew every lease of the worker in one statement; tell the handlers of leases
-        found gone (another run took them) or with a cancel request to stop."""
-        runs = [run for run in self._running() if run.state != "ending"]
+        found gone (another run took them) or with a cancel request to stop. A run whose
+        outcome is being written is renewed too, until its completion locks the job's row
+        (a final flush that waits for a lock must not let the lease expire); the lock skips
+        that row from then on."""
+        runs = self._running()
         if not runs:
             return
         ids = [run.job_id for run in runs]
@@ -1000,15 +1067,18 @@ class LeaseRunner(RunnerBase):
             rows = conn.execute(*sql.leases_held(ids, tokens)).all()
         held: dict[uuid.UUID, datetime | None] = {row[0]: row[1] for row in rows}
         for run in runs:
+            if run.state in ("ending", "done"):
+                continue  # its outcome is being written: the write finds what happened
             if run.job_id not in held:
-                if run.state != "ending" and run.signal.request("lease-lost"):
+                if run.signal.request("lease-lost"):
                     self._forget(run)
             elif held[run.job_id] is not None:
                 run.signal.request("cancelled")
 
     def _time_out(self) -> None:
-        """Fail the jobs running longer than job_timeout, now; their handlers are asked to
-        stop, and what they write from then on is discarded."""
+        """Find the jobs running longer than job_timeout: their handlers are asked to stop
+        (what they write from then on is discarded), and each is failed now, off the
+        heartbeat (see _end_timed_out), which goes on renewing its lease meanwhile."""
         timeout = self.settings.job_timeout
         assert timeout is not None
         now = time.monotonic()
@@ -1018,16 +1088,38 @@ class LeaseRunner(RunnerBase):
             if not run.begin_ending():
                 continue
             run.signal.request("timed-out")
-            error = JobTimeoutError(run.job_id, timeout)
             log_event(logging.WARNING, "job-timed-out", **self._fields(run.job), seconds=timeout)
-            context = run.context
-            assert context is not None
-            try:
-                outcome, failure = self._failed(run, None, context, error)
-            finally:
-                self._forget(run)
-            if outcome is not None:
-                self._finished(run.job, outcome, failure)
+            self._spawn(functools.partial(self._end_timed_out, run, timeout))
+
+    def _end_timed_out(self, run: LeasedRun, timeout: float) -> None:
+        """Fail a timed-out job (retry it per the retry strategy, or archive it as failed,
+        or as cancelled if a cancel came first) and call the failed-job handler: never on
+        the heartbeat, which these writes and callbacks could hold up."""
+        context = run.context
+        assert context is not None
+        try:
+            outcome, failure = self._failed(
+                run, None, context, JobTimeoutError(run.job_id, timeout)
+            )
+        except Exception as exc:
+            log_event(
+                logging.ERROR, "outcome-recording-error", **self._fields(run.job), error=repr(exc)
+            )
+            return
+        finally:
+            self._forget(run)
+        if outcome is not None:
+            self._finished(run.job, outcome, failure)
+
+    def _spawn_thread(self, work: Callable[[], None]) -> None:
+        """Run ``work`` in a thread of its own (close() waits for it)."""
+        thread = threading.Thread(
+            target=work, name=f"{self.settings.worker_id}-timeout", daemon=True
+        )
+        with self._runs_lock:
+            self._outcome_threads = [t for t in self._outcome_threads if t.is_alive()]
+            self._outcome_threads.append(thread)
+        thread.start()
 
 
 def check_lease_settings(

@@ -115,13 +115,16 @@ class Job(Base):
         # ``process_at`` is the lease's expiry (so no poll reads a leased job before it
         # expires) and ``due_at`` keeps the job's own due time. ``lease_token`` is the run's
         # fence: only the run that wrote it can complete the job. ``unclean_ends`` counts
-        # leases that expired (runs that ended with their worker), for ``max_unclean_ends``.
+        # leases that expired (runs that ended with their worker), for ``max_unclean_ends``;
+        # ``uncharged_runs`` the runs given back with no outcome and no charge (a lost
+        # connection, a stop that gave up): ``attempts`` counts them, the retries do not.
         Column("lease_token", Uuid(), nullable=True),
         Column("lease_owner", name_type(), nullable=True),
         Column("heartbeat_at", UTCDateTime(), nullable=True),
         Column("due_at", UTCDateTime(), nullable=True),
         Column("unclean_ends", SmallInteger(), nullable=False, server_default=text("0")),
         Column("cancel_requested_at", UTCDateTime(), nullable=True),
+        Column("uncharged_runs", SmallInteger(), nullable=False, server_default=text("0")),
         Index("ix_proletarian_job_poll", "queue", "run_order", "process_at", "seq"),
         Index(UNIQUE_KEY_INDEX, "queue", "unique_key", unique=True),
         mysql_engine=_MYSQL_TABLE_ARGS["mysql_engine"],
@@ -139,6 +142,7 @@ class Job(Base):
             "due_at",
             "unclean_ends",
             "cancel_requested_at",
+            "uncharged_runs",
         ],
     }
 

@@ -87,9 +87,10 @@ def attempt_of(job: dict[str, Any]) -> int:
     """The run's attempt as handlers and retry strategies count it (1 on the first run): the
     runs that ended with an outcome, plus this one. ``attempts`` also counts the lease-mode
     runs that ended uncleanly (each claim counts its run), which are ``unclean_ends``, with
-    one more for an expired lease found on the job now."""
+    one more for an expired lease found on the job now, and the runs given back uncharged
+    (``uncharged_runs``: a lost connection, a stop that gave up)."""
     expired = job.get("unclean_ends", 0) + (job.get("lease_token") is not None)
-    return int(job["attempts"]) - int(expired) + 1
+    return int(job["attempts"]) - int(expired) - int(job.get("uncharged_runs", 0)) + 1
 
 
 def describe(exc: BaseException) -> str:
@@ -136,8 +137,8 @@ class RunnerBase:
 
     ``stopping`` says whether the worker is stopping: once it does, no handler starts. The
     asyncio worker runs a runner in greenlets of one thread: it gives locks and a sleep that
-    let the event loop run while a task waits (``new_lock``, ``sleep``), and names its tasks
-    (``unit_name``).
+    let the event loop run while a task waits (``new_lock``, ``sleep``), names its tasks
+    (``unit_name``), and runs work off the heartbeat in a task of its own (``spawn``).
     """
 
     def __init__(
@@ -150,6 +151,7 @@ class RunnerBase:
         new_lock: Callable[[], AbstractContextManager[Any]] = threading.Lock,
         unit_name: Callable[[], str] = lambda: threading.current_thread().name,
         sleep: Callable[[float], object] = time.sleep,
+        spawn: Callable[[Callable[[], None]], object] | None = None,
     ) -> None:
         self.engine = engine
         self.settings = settings
@@ -159,6 +161,7 @@ class RunnerBase:
         self._new_lock = new_lock
         self._unit_name = unit_name
         self._sleep = sleep
+        self._spawner = spawn
         #: SQLite: the claims of every runner of the process on the database file take turns.
         self._claim_turn = turns.turn_for(engine.url, new_lock)
         self._host = f"{socket.gethostname()}:{os.getpid()}"

@@ -10,7 +10,7 @@ later edits of the models. A release that changes the schema adds a revision and
 it: ``create_tables`` is ``sqlap_0001``; ``add_run_owners`` and ``add_enqueue_notifications``
 are ``sqlap_0002``; ``add_trace_context`` is ``sqlap_0003``; ``add_job_control`` is
 ``sqlap_0004``; ``add_archived_unique_key`` is ``sqlap_0005``; ``add_leases`` is
-``sqlap_0006``. A single-head project calls
+``sqlap_0006``; ``add_uncharged_runs`` is ``sqlap_0007``. A single-head project calls
 each new helper from a new revision of its own, in that order.
 """
 
@@ -38,6 +38,7 @@ __all__ = [
     "add_leases",
     "add_run_owners",
     "add_trace_context",
+    "add_uncharged_runs",
     "create_tables",
     "drop_archived_unique_key",
     "drop_enqueue_notifications",
@@ -46,6 +47,7 @@ __all__ = [
     "drop_run_owners",
     "drop_tables",
     "drop_trace_context",
+    "drop_uncharged_runs",
     "include_object",
 ]
 
@@ -59,7 +61,7 @@ BRANCH_LABEL = "sqla_proletarian"
 INITIAL_REVISION = "sqlap_0001"
 
 #: The newest revision of the library's branch.
-HEAD_REVISION = "sqlap_0006"
+HEAD_REVISION = "sqlap_0007"
 
 # Table names are spelled out (not imported from the models) so the revision stays as written.
 _JOB = "proletarian_job"
@@ -349,3 +351,21 @@ def drop_leases(op: Operations | ModuleType | None = None) -> None:
     ops.execute(job.update().where(job.c.due_at.is_not(None)).values(process_at=job.c.due_at))
     for name in reversed(_LEASE_COLUMNS):
         ops.drop_column(_JOB, name)
+
+
+def add_uncharged_runs(op: Operations | ModuleType | None = None) -> None:
+    """Count a leased job's runs that ended with no outcome and no charge (``sqlap_0007``):
+    ``uncharged_runs`` on the job table (0 for the jobs already queued). A run whose
+    connection was lost, or that a stop gave up, is counted in ``attempts`` and here, so
+    that it takes neither a retry nor an unclean end."""
+    ops = _operations(op)
+    ops.add_column(
+        _JOB,
+        sa.Column("uncharged_runs", sa.SmallInteger(), server_default=sa.text("0"), nullable=False),
+    )
+
+
+def drop_uncharged_runs(op: Operations | ModuleType | None = None) -> None:
+    """Undo :func:`add_uncharged_runs`: queued jobs stay, each ``attempts`` as it is."""
+    ops = _operations(op)
+    ops.drop_column(_JOB, "uncharged_runs")

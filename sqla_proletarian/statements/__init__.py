@@ -77,6 +77,7 @@ from sqla_proletarian.statements.inspection import (
 from sqla_proletarian.statements.leased import DUE_AT, leased_jobs, lock_to_cancel, request_cancel
 from sqla_proletarian.statements.leases import (
     archive_lease,
+    cancel_requested,
     end_lease,
     end_leases,
     expire_lease,
@@ -123,6 +124,7 @@ __all__ = [
     "archived_batch",
     "archived_job",
     "archived_jobs",
+    "cancel_requested",
     "claimed_runs",
     "data_version",
     "delete_archived",

@@ -42,6 +42,7 @@ JOB_COLUMNS = (
     JOB.c.due_at,
     JOB.c.unclean_ends,
     JOB.c.cancel_requested_at,
+    JOB.c.uncharged_runs,
 )
 
 

@@ -207,14 +207,14 @@ def archive_succeeded(
 #: An expired lease taken by a transaction-mode claim is an unclean end (see leases).
 _EXPIRED_LEASE = case((JOB.c.lease_token.is_(None), 0), else_=1)
 #: What a retry writes besides the new due time: no lease (MySQL assigns in this order,
-#: each seeing the ones before, so the count reads the token before it is cleared).
+#: each seeing the ones before, so the count reads the token before it is cleared). A cancel
+#: request stays: once committed, it ends the job at its next claim.
 _NO_LEASE = (
     (JOB.c.unclean_ends, JOB.c.unclean_ends + _EXPIRED_LEASE),
     (JOB.c.lease_token, null()),
     (JOB.c.lease_owner, null()),
     (JOB.c.heartbeat_at, null()),
     (JOB.c.due_at, null()),
-    (JOB.c.cancel_requested_at, null()),
 )
 _RETRY = (
     update(JOB)

@@ -90,17 +90,19 @@ def leases_held(job_ids: list[uuid.UUID], tokens: list[uuid.UUID]) -> Statement:
     return _STILL_HELD, {"ids": job_ids, "tokens": tokens}
 
 
-_END_LEASE = delete(JOB).where(JOB.c.job_id == bindparam("job_id"), JOB.c.lease_token == _TOKEN)
+#: The fence of a run's outcome: the job still carries the run's token.
+_OWN_LEASE = (JOB.c.job_id == bindparam("job_id"), JOB.c.lease_token == _TOKEN)
+#: An outcome other than a cancel is written only while no cancel was requested: a
+#: committed request wins over what the handler did (see ``cancelled_lease``).
+_NOT_CANCELLED = JOB.c.cancel_requested_at.is_(None)
+_END_LEASE = delete(JOB).where(*_OWN_LEASE, _NOT_CANCELLED)
+_CANCEL_LEASE = delete(JOB).where(*_OWN_LEASE)
 
 
 @cache
-def _archive_lease(upsert: ArchiveUpsert) -> Executable:
-    done = (
-        delete(JOB)
-        .where(JOB.c.job_id == bindparam("job_id"), JOB.c.lease_token == _TOKEN)
-        .returning(*JOB_COLUMNS)
-        .cte("done")
-    )
+def _archive_lease(upsert: ArchiveUpsert, cancelling: bool) -> Executable:
+    fence = _OWN_LEASE if cancelling else (*_OWN_LEASE, _NOT_CANCELLED)
+    done = delete(JOB).where(*fence).returning(*JOB_COLUMNS).cte("done")
     rows = select(
         done.c.job_id,
         done.c.queue,
@@ -130,8 +132,9 @@ def archive_lease(
     upsert: ArchiveUpsert,
 ) -> Statement:
     """Remove a leased job where it still carries the run's token and archive it, in one
-    statement (PostgreSQL's DML CTE); its rowcount is 0 when the run was fenced off."""
-    return _archive_lease(upsert), {
+    statement (PostgreSQL's DML CTE); its rowcount is 0 when the run was fenced off, or when
+    a cancel was requested and ``status`` is not ``"cancelled"``."""
+    return _archive_lease(upsert, status == "cancelled"), {
         "job_id": job_id,
         "token": token,
         "attempts": attempts,
@@ -142,7 +145,7 @@ def archive_lease(
 
 
 _STILL_LEASED = (
-    select(JOB.c.job_id, JOB.c.lease_token)
+    select(JOB.c.job_id, JOB.c.lease_token, JOB.c.cancel_requested_at)
     .where(*_HELD)
     .with_for_update()
     .with_hint(JOB, _JOB_BY_ID, "mysql")
@@ -155,47 +158,66 @@ def end_leases(
 ) -> tuple[Statement, Any]:
     """Succeeded jobs, ended together: the lock of those that still carry one of the
     tokens, read with the token each carries (the fence: keep a job only if it carries its
-    own run's; the job-id index named on MySQL), and the delete of a list of ids (give it
-    the kept ones)."""
+    own run's; the job-id index named on MySQL) and its cancel request, and the delete of a
+    list of ids (give it the kept ones)."""
     return (_STILL_LEASED, {"ids": job_ids, "tokens": tokens}), _delete_by(
         JOB, ("job_id",), "ids", force_index
     )
 
 
-def end_lease(job_id: uuid.UUID, token: uuid.UUID) -> Statement:
+def end_lease(job_id: uuid.UUID, token: uuid.UUID, *, cancelling: bool = False) -> Statement:
     """Remove a leased job that ended, only if it still carries the run's token (the fence:
-    a run whose lease another run took removes nothing)."""
-    return _END_LEASE, {"job_id": job_id, "token": token}
+    a run whose lease another run took removes nothing) and, unless ``cancelling``, no
+    cancel was requested."""
+    return (_CANCEL_LEASE if cancelling else _END_LEASE), {"job_id": job_id, "token": token}
+
+
+_CANCEL_REQUESTED = select(JOB.c.cancel_requested_at).where(*_OWN_LEASE).with_for_update()
+
+
+def cancel_requested(job_id: uuid.UUID, token: uuid.UUID) -> Statement:
+    """Lock a leased job that still carries the run's token and read its cancel request
+    (no row: the run was fenced off)."""
+    return _CANCEL_REQUESTED, {"job_id": job_id, "token": token}
 
 
 _RETRY_LEASE = (
     update(JOB)
-    .where(JOB.c.job_id == bindparam("id"), JOB.c.lease_token == _TOKEN)
+    .where(JOB.c.job_id == bindparam("id"), JOB.c.lease_token == _TOKEN, _NOT_CANCELLED)
     .ordered_values(*_NO_LEASE[1:], (JOB.c.process_at, bindparam("retry_at")))
 )
 
 
 def retry_lease(job_id: uuid.UUID, token: uuid.UUID, retry_at: datetime) -> Statement:
-    """Schedule a leased job's next run (its claim counted this one), fenced by the token."""
+    """Schedule a leased job's next run (its claim counted this one), fenced by the token,
+    unless a cancel was requested."""
     return _RETRY_LEASE, {"id": job_id, "token": token, "retry_at": retry_at}
 
 
-_RELEASE_LEASES = (
-    update(JOB)
-    .where(*_HELD)
-    .ordered_values(
-        # process_at first: MySQL would read the due_at cleared after it.
-        (JOB.c.process_at, func.coalesce(JOB.c.due_at, JOB.c.process_at)),
-        (JOB.c.attempts, JOB.c.attempts - 1),
-        *_NO_LEASE[1:],
+def _release(count: tuple[Any, Any]) -> Executable:
+    return (
+        update(JOB)
+        .where(*_HELD)
+        .ordered_values(
+            # process_at first: MySQL would read the due_at cleared after it.
+            (JOB.c.process_at, func.coalesce(JOB.c.due_at, JOB.c.process_at)),
+            count,
+            *_NO_LEASE[1:],
+        )
     )
-)
 
 
-def release_leases(job_ids: list[uuid.UUID], tokens: list[uuid.UUID]) -> Statement:
-    """Give leases back unrun (a stop that gave up): due again at their own time at once,
-    their run not counted, and no unclean end."""
-    return _RELEASE_LEASES, {"ids": job_ids, "tokens": tokens}
+#: Unrun: the claim's count undone. Run: counted, as a run that takes no retry.
+_RELEASE_UNRUN = _release((JOB.c.attempts, JOB.c.attempts - 1))
+_RELEASE_RUN = _release((JOB.c.uncharged_runs, JOB.c.uncharged_runs + 1))
+
+
+def release_leases(job_ids: list[uuid.UUID], tokens: list[uuid.UUID], *, ran: bool) -> Statement:
+    """Give leases back: due again at their own time at once, with no unclean end (a cancel
+    request stays). Unrun (a stop came before the handlers started): their claim's count is
+    undone. ``ran`` (a lost connection, a stop that gave up on the handlers): ``attempts``
+    keeps the runs, and ``uncharged_runs`` counts them, so that they take no retry."""
+    return (_RELEASE_RUN if ran else _RELEASE_UNRUN), {"ids": job_ids, "tokens": tokens}
 
 
 _EXPIRE = (

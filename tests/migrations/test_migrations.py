@@ -279,6 +279,7 @@ from sqla_proletarian.migrations import (
     add_leases,
     add_run_owners,
     add_trace_context,
+    add_uncharged_runs,
     create_tables,
     drop_archived_unique_key,
     drop_enqueue_notifications,
@@ -287,6 +288,7 @@ from sqla_proletarian.migrations import (
     drop_run_owners,
     drop_tables,
     drop_trace_context,
+    drop_uncharged_runs,
 )
 
 revision = "user_0001"
@@ -337,12 +339,13 @@ def user_project(root: Path, *, calls_helpers: bool, library_location: bool) -> 
         upgrade_extra=(
             "create_tables(op); add_run_owners(op); add_enqueue_notifications(op); "
             "add_trace_context(op); add_job_control(op); add_archived_unique_key(op); "
-            "add_leases(op)"
+            "add_leases(op); add_uncharged_runs(op)"
             if calls_helpers
             else "pass"
         ),
         downgrade_extra=(
-            "drop_leases(op); drop_archived_unique_key(op); drop_job_control(op); "
+            "drop_uncharged_runs(op); drop_leases(op); drop_archived_unique_key(op); "
+            "drop_job_control(op); "
             "drop_trace_context(op); "
             "drop_enqueue_notifications(op); "
             "drop_run_owners(op); drop_tables(op)"
@@ -637,6 +640,11 @@ def test_upgrading_to_leases_keeps_queued_jobs_and_downgrading_puts_leased_ones_
             sa.select(job.c.job_id, job.c.lease_token, job.c.due_at, job.c.unclean_ends)
         ).all()
     assert sorted(kept) == sorted((job_id, None, None, 0) for job_id, _ in queued.values())
+    # sqlap_0007 (the runs given back uncharged) too, as the worker needs: 0 for each job.
+    run(config, engine, command.upgrade, "sqlap_0007")
+    with engine.connect() as conn:
+        uncharged = conn.execute(sa.select(job.c.uncharged_runs)).scalars().all()
+    assert uncharged == [0, 0, 0]
     ran: list[str] = []
     while sp.process_next_job(engine, lambda job_type, payload: ran.append(job_type)):
         pass
