@@ -5,8 +5,10 @@ fits the lease's owner column."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
+import time
 import uuid
 from datetime import timedelta
 from typing import Any
@@ -15,6 +17,7 @@ import pytest
 import sqlalchemy as sa
 from helpers import archived, archived_job, enqueue_committed, events, jobs, running, wait_for
 from lease_helpers import JOB, job_row
+from sqlalchemy.ext.asyncio import create_async_engine
 
 import sqla_proletarian as sp
 from sqla_proletarian import statements as sql
@@ -103,6 +106,44 @@ def test_a_transaction_mode_worker_never_runs_a_cancel_requested_job_whose_lease
         assert wait_for(lambda: all(archived_job(engine, j) is not None for j in job_ids))
     assert calls == []
     assert {row.status for row in archived(engine)} == {"cancelled"}
+    assert jobs(engine) == []
+
+
+#: The async driver of each backend's URL.
+ASYNC_DRIVERNAME = {
+    "sqlite": "sqlite+aiosqlite",
+    "postgresql": "postgresql+psycopg",
+    "mariadb": "mysql+aiomysql",
+}
+
+
+def test_an_asyncio_transaction_mode_worker_never_runs_a_cancel_requested_expired_job(
+    database: Any, engine: sa.Engine
+) -> None:
+    """The asyncio worker's transaction-mode claim archives such a job as cancelled too,
+    and runs the job enqueued after it."""
+    job_ids = cancelled_then_dead(engine, "cancelled", 2)
+    after = enqueue_committed(engine, "after")
+    calls: list[str] = []
+
+    async def handler(job_type: str, payload: Any) -> None:
+        calls.append(job_type)
+
+    async def main() -> None:
+        url = database.url.set(drivername=ASYNC_DRIVERNAME[database.backend])
+        worker_engine = create_async_engine(url)
+        try:
+            async with sp.create_async_queue_worker(worker_engine, handler, polling_interval=0.02):
+                deadline = time.monotonic() + 10
+                while archived_job(engine, after) is None and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
+        finally:
+            await worker_engine.dispose()
+
+    asyncio.run(main())
+    assert calls == ["after"]
+    statuses = {row.job_id: row.status for row in archived(engine)}
+    assert statuses == {**dict.fromkeys(job_ids, "cancelled"), after: "success"}
     assert jobs(engine) == []
 
 
