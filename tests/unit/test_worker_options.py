@@ -309,3 +309,16 @@ def test_lease_settings_at_the_ends_of_their_ranges_are_accepted(options: dict[s
     made = WorkerOptions.from_kwargs(options)
     for name, value in options.items():
         assert getattr(made, name) == value
+
+
+def test_a_long_worker_id_is_cut_in_its_middle_where_run_records_and_leases_name_it() -> None:
+    """Run records and leases hold 255 characters of ``worker_id@host/thread``: a longer
+    one keeps its start and its end (the thread, a process's ``#N``), not only its start."""
+    from sqla_proletarian.running import owner_text
+
+    assert owner_text("w1", "host:12", "w1-0") == "w1@host:12/w1-0"
+    long_id = "a" * 150 + "b" * 150 + "#3"
+    owner = owner_text(long_id, "host:12", f"{long_id}-1")
+    assert len(owner) == 255
+    assert owner.startswith("a" * 120) and owner.endswith("b" * 100 + "#3-1")
+    assert "..." in owner
