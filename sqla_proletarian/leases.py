@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import threading
 import time
 import uuid
@@ -1090,7 +1089,7 @@ def check_lease_settings(
 def _number(value: object) -> float:
     """A setting as a number to compare (NaN, which no range holds, for anything else)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        return math.nan
+        return float("nan")
     return value
 
 
