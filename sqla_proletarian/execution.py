@@ -246,8 +246,7 @@ class JobRunner(RunnerBase):
             idle_timeout = self.dialect.idle_timeout(conn)
             record = None
             if self._tracked:
-                worker = f"{self.settings.worker_id}@{self._host}/{self._unit_name()}"
-                record = ClaimRecords(self.dialect, owner, worker, self.now)
+                record = ClaimRecords(self.dialect, owner, self._owner(), self.now)
             return WorkerConnections(conn, ledger_conn, record, stack.pop_all(), idle_timeout)
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -325,10 +324,11 @@ class JobRunner(RunnerBase):
         batch_finishing = False
         self.dialect.begin_claim(conn)
         try:
-            claims = self._claim(connections)
+            claims, cancelled = self._claim(connections)
             if not claims:
                 conn.commit()
-                return False
+                self._cancelled_at_claim(cancelled)
+                return bool(cancelled)
             self._in_flight[in_flight] = connections
             if self.on_claim is not None:
                 self.on_claim()
@@ -368,6 +368,7 @@ class JobRunner(RunnerBase):
             raise
         finally:
             self._in_flight.pop(in_flight, None)
+        self._cancelled_at_claim(cancelled)
         for finished, outcome, failure in done:
             self._finished(finished.job, outcome, failure)
         return True
@@ -410,8 +411,11 @@ class JobRunner(RunnerBase):
                 "gone when their success was recorded: the claim lost its row locks"
             )
 
-    def _claim(self, connections: WorkerConnections) -> list[_Claim]:
-        """Lock the next due jobs, if any, and count their runs that ended with their worker."""
+    def _claim(self, connections: WorkerConnections) -> tuple[list[_Claim], list[dict[str, Any]]]:
+        """Lock the next due jobs, if any, and count their runs that ended with their worker.
+        A job whose cancel was requested while it was leased (its lease has expired since)
+        is archived as cancelled in the claim's transaction instead: the claims, and those
+        jobs."""
         conn = connections.conn
         log_event(
             logging.DEBUG,
@@ -422,6 +426,7 @@ class JobRunner(RunnerBase):
         now = self.now()
         held = ledger.held_jobs(self._database) if self._tracked else []
         claims: list[_Claim] = []
+        cancelled: list[dict[str, Any]] = []
         # A job whose earlier run may still be going is left alone, and the poll looks past it.
         for _ in range(3):
             found_held = []
@@ -439,6 +444,10 @@ class JobRunner(RunnerBase):
                 )
                 if past.held:
                     found_held.append(job["job_id"])
+                elif job["cancel_requested_at"] is not None:
+                    attempts = job["attempts"] + past.unclean_ends
+                    self._archive(conn, job, "cancelled", attempts, None)
+                    cancelled.append(job)
                 else:
                     claims.append(_Claim(job, past, claimed_at=now))
             if not found_held:
@@ -458,7 +467,17 @@ class JobRunner(RunnerBase):
                 break
         # A job whose batch died with its worker runs alone, so that a crash is charged to it.
         suspects = [claim for claim in claims if claim.past.suspect]
-        return suspects[:1] if suspects and len(claims) > 1 else claims
+        return (suspects[:1] if suspects and len(claims) > 1 else claims), cancelled
+
+    def _cancelled_at_claim(self, cancelled: list[dict[str, Any]]) -> None:
+        """After the claim's commit: log the jobs it archived as cancelled."""
+        for job in cancelled:
+            log_event(
+                logging.INFO,
+                "job-cancelled",
+                **self._fields(job),
+                hint="its cancel was requested while it was leased, and the lease expired",
+            )
 
     def _record_claim(self, connections: WorkerConnections, claims: list[_Claim]) -> list[_Claim]:
         """Record the claim's runs before its first handler starts; the claims still held

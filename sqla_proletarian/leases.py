@@ -451,6 +451,7 @@ class LeaseRunner(RunnerBase):
         if self._stopping():
             return False
         runs = self.claim(connections)
+        took = connections.claimed_last
         # A batch completes its jobs that succeeded with nothing written through their
         # sessions together, at its end; each other job completes on its own.
         deferred: list[LeasedRun] | None = [] if len(runs) > 1 else None
@@ -463,11 +464,12 @@ class LeaseRunner(RunnerBase):
         finally:
             if deferred:
                 self._complete_together(deferred)
-        return bool(runs)
+        return took
 
     def claim(self, connections: LeaseConnections, limit: int | None = None) -> list[LeasedRun]:
         """Lease up to ``limit`` due jobs (the batch size), if any; the thread's connection
-        is given back when it took some (and always on SQLite)."""
+        is given back when it took some (and always on SQLite). ``claimed_last`` says whether
+        it took a job, one it ended at the claim (cancelled, crashed) included."""
         if self.dialect.claim_takes_write_lock:
             # SQLite: the write lock is taken only for a due job, in the process's turn.
             try:
@@ -488,7 +490,6 @@ class LeaseRunner(RunnerBase):
             if runs:
                 # No connection is held while handlers run; an idle thread keeps its own.
                 connections.release()
-        connections.claimed_last = bool(runs)
         return runs
 
     def _claim(self, connections: LeaseConnections, jobs: int | None = None) -> list[LeasedRun]:
@@ -528,7 +529,7 @@ class LeaseRunner(RunnerBase):
                 conn.execute(*sql.delete_job(job["job_id"]))
                 self._archive(conn, job, status, attempts, error, with_runs=True)
             if runs:
-                owner = f"{self.settings.worker_id}@{self._host}/{self._unit_name()}"
+                owner = self._owner()
                 direct.execute(
                     conn,
                     *sql.lease([r.job_id for r in runs], token, owner, now, now + self._lease),
@@ -537,6 +538,7 @@ class LeaseRunner(RunnerBase):
         except BaseException:
             rollback_quietly(conn)
             raise
+        connections.claimed_last = bool(runs or ended)
         with self._runs_lock:
             self._runs.update((run.job_id, run) for run in runs)
         for job, status, _, error in ended:
@@ -1122,19 +1124,42 @@ class LeaseRunner(RunnerBase):
         thread.start()
 
 
+#: The range of ``lease_seconds``: at least a second (its heartbeat renews it within), at
+#: most a week (how long a dead worker's job may wait before it runs again).
+MIN_LEASE_SECONDS = 1.0
+MAX_LEASE_SECONDS = 7 * 24 * 3600.0
+#: The shortest ``heartbeat_interval`` (each heartbeat is a transaction on the database).
+MIN_HEARTBEAT_INTERVAL = 0.05
+#: The longest ``job_timeout``: a week, as the longest lease.
+MAX_JOB_TIMEOUT = MAX_LEASE_SECONDS
+
+
 def check_lease_settings(
     lease_seconds: object, heartbeat_interval: object, job_timeout: object
 ) -> None:
-    """Refuse lease settings that cannot work, saying what to give instead."""
-    for name, value in (
-        ("lease_seconds", lease_seconds),
-        ("heartbeat_interval", heartbeat_interval),
-        ("job_timeout", job_timeout),
-    ):
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-            raise _settings_error(f"{name} is {value!r}; give a number of seconds > 0")
+    """Refuse lease settings that cannot work (not a number, NaN, infinite, out of range),
+    naming the option and the range to give instead."""
+    week = f"{MAX_LEASE_SECONDS:g}"
+    _check_seconds(
+        "lease_seconds",
+        lease_seconds,
+        MIN_LEASE_SECONDS <= _number(lease_seconds) <= MAX_LEASE_SECONDS,
+        f"from {MIN_LEASE_SECONDS:g} to {week} (a week): the heartbeat renews a lease "
+        "several times within it, and a dead worker's job waits that long to run again",
+    )
+    _check_seconds(
+        "heartbeat_interval",
+        heartbeat_interval,
+        MIN_HEARTBEAT_INTERVAL <= _number(heartbeat_interval) <= MAX_LEASE_SECONDS,
+        f"from {MIN_HEARTBEAT_INTERVAL:g}, and shorter than lease_seconds (leave it out for "
+        "lease_seconds / 3)",
+    )
+    _check_seconds(
+        "job_timeout",
+        job_timeout,
+        0 < _number(job_timeout) <= MAX_JOB_TIMEOUT,
+        f"> 0, up to {week} (a week; leave it out for no timeout)",
+    )
     if lease_seconds is None:
         others = (("heartbeat_interval", heartbeat_interval), ("job_timeout", job_timeout))
         for name, value in others:
@@ -1151,6 +1176,19 @@ def check_lease_settings(
             f"({lease_seconds}), or every lease expires before it is renewed: leave it out "
             "(lease_seconds / 3) or make it smaller"
         )
+
+
+def _number(value: object) -> float:
+    """A setting as a number to compare (NaN, which no range holds, for anything else)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return float("nan")
+    return value
+
+
+def _check_seconds(name: str, value: object, in_range: bool, wanted: str) -> None:
+    """Refuse a setting given (not None) out of its range."""
+    if value is not None and not in_range:
+        raise _settings_error(f"{name} is {value!r}; give a number of seconds {wanted}")
 
 
 def _settings_error(message: str) -> ConfigurationError:

@@ -131,6 +131,24 @@ def cut_middle(text: str, limit: int) -> str:
 #: Room kept for ``cut_middle``'s marker line and a line end added to the head.
 _MARKER_BYTES = 80
 
+#: Longest text naming a run's worker that run records and leases keep (their columns hold
+#: 255 characters).
+MAX_OWNER_CHARS = 255
+#: What stands for the characters a too-long owner text lost.
+_OWNER_CUT = "..."
+
+
+def owner_text(worker_id: str, host: str, unit: str) -> str:
+    """Who runs a claim's jobs, as run records and leases name it: ``worker_id@host/unit``,
+    cut in its middle to ``MAX_OWNER_CHARS`` when longer (a long ``worker_id``), so that its
+    start and its end (the thread or task, and a process's ``#N``) are kept."""
+    text = f"{worker_id}@{host}/{unit}"
+    if len(text) <= MAX_OWNER_CHARS:
+        return text
+    head = (MAX_OWNER_CHARS - len(_OWNER_CUT)) // 2
+    tail = MAX_OWNER_CHARS - len(_OWNER_CUT) - head
+    return text[:head] + _OWNER_CUT + text[len(text) - tail :]
+
 
 class RunnerBase:
     """The parts of a runner that do not depend on how the job is held.
@@ -178,6 +196,10 @@ class RunnerBase:
 
     def now(self) -> datetime:
         return check_aware("clock()", self.settings.clock())
+
+    def _owner(self) -> str:
+        """The calling thread's (or task's) name in run records and leases."""
+        return owner_text(self.settings.worker_id, self._host, self._unit_name())
 
     def _any_due(self, conn: Connection) -> bool:
         """Whether a job of the queues is due, read without taking the write lock."""

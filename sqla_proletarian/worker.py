@@ -607,7 +607,8 @@ def create_queue_worker(engine: Engine, handler: Callable[..., Any], **options: 
 
 
 def process_next_job(engine: Engine, handler: Callable[..., Any], **options: Any) -> bool:
-    """Run at most one due job of the queue in the calling thread; True if one was run.
+    """Run at most one due job of the queue in the calling thread; True if one was claimed
+    (and run, or archived at the claim: cancelled under an expired lease, or crashed).
 
     Takes the worker options that apply to one job (``queue`` or ``queues``, ``retry_strategy``,
     ``failed_job_handler``, ``handler_mode``, ``worker_id``, ``serializer``, ``clock``,

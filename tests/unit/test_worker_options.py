@@ -199,3 +199,126 @@ def test_a_pool_smaller_than_the_threads_need_is_accepted_with_a_warning(
     [warning] = [r for r in caplog.records if getattr(r, "event", None) == "pool-too-small"]
     assert (warning.pool_capacity, warning.worker_threads) == (4, 2)
     assert "pool_size + max_overflow >= 5" in warning.hint
+
+
+# --- lease settings --------------------------------------------------------------------------
+
+#: Lease settings that cannot work, each with the option the refusal must name and the range
+#: it must give: infinite and NaN (no lease or timeout can be computed), too long (past what
+#: the heartbeat and a dead worker's wait can live with), too short (shorter than a
+#: heartbeat's round trip), not a number.
+_BAD_LEASE_SETTINGS = [
+    ({"lease_seconds": float("inf")}, "lease_seconds is inf", "from 1 to 604800"),
+    ({"lease_seconds": float("nan")}, "lease_seconds is nan", "from 1 to 604800"),
+    ({"lease_seconds": 1e12}, "lease_seconds is 1000000000000.0", "from 1 to 604800"),
+    ({"lease_seconds": 604801.0}, "lease_seconds is 604801.0", "from 1 to 604800"),
+    ({"lease_seconds": 1e-6}, "lease_seconds is 1e-06", "from 1 to 604800"),
+    ({"lease_seconds": 0.5}, "lease_seconds is 0.5", "from 1 to 604800"),
+    ({"lease_seconds": 0.0}, "lease_seconds is 0.0", "from 1 to 604800"),
+    ({"lease_seconds": 0}, "lease_seconds is 0", "from 1 to 604800"),
+    ({"lease_seconds": "60"}, "lease_seconds is '60'", "from 1 to 604800"),
+    ({"lease_seconds": True}, "lease_seconds is True", "from 1 to 604800"),
+    (
+        {"lease_seconds": 60.0, "heartbeat_interval": float("nan")},
+        "heartbeat_interval is nan",
+        "from 0.05, and shorter than lease_seconds",
+    ),
+    (
+        {"lease_seconds": 60.0, "heartbeat_interval": 1e-6},
+        "heartbeat_interval is 1e-06",
+        "from 0.05, and shorter than lease_seconds",
+    ),
+    (
+        {"lease_seconds": 60.0, "heartbeat_interval": float("inf")},
+        "heartbeat_interval is inf",
+        "from 0.05, and shorter than lease_seconds",
+    ),
+    (
+        {"lease_seconds": 60.0, "heartbeat_interval": 60.0},
+        "heartbeat_interval (60.0) must be shorter than lease_seconds (60.0)",
+        "leave it out",
+    ),
+    (
+        {"lease_seconds": 60.0, "job_timeout": float("inf")},
+        "job_timeout is inf",
+        "> 0, up to 604800",
+    ),
+    (
+        {"lease_seconds": 60.0, "job_timeout": float("nan")},
+        "job_timeout is nan",
+        "> 0, up to 604800",
+    ),
+    (
+        {"lease_seconds": 60.0, "job_timeout": 1e12},
+        "job_timeout is 1000000000000.0",
+        "up to 604800",
+    ),
+    ({"lease_seconds": 60.0, "job_timeout": 0.0}, "job_timeout is 0.0", "> 0, up to 604800"),
+    ({"lease_seconds": 60.0, "job_timeout": -1.0}, "job_timeout is -1.0", "> 0, up to 604800"),
+]
+
+
+@pytest.mark.parametrize(("options", "refusal", "wanted"), _BAD_LEASE_SETTINGS)
+def test_lease_settings_that_cannot_work_are_refused_naming_the_option_and_its_range(
+    options: dict[str, Any], refusal: str, wanted: str
+) -> None:
+    """An infinite, NaN, too long or too short lease, heartbeat or timeout is refused where
+    the options are made (not later by an OverflowError, a dead heartbeat thread or failing
+    claims), with the option, the value and the range to give."""
+    with pytest.raises(sp.ConfigurationError) as info:
+        WorkerOptions.from_kwargs(options)
+    message = str(info.value)
+    assert message.startswith(refusal), message
+    assert wanted in message, message
+
+
+@pytest.mark.parametrize(
+    ("options", "refusal", "wanted"),
+    # What a flag can give: a number (argparse refuses anything else), read as a float.
+    [case for case in _BAD_LEASE_SETTINGS if all(type(v) is float for v in case[0].values())],
+)
+def test_the_worker_command_refuses_the_same_lease_flags_with_the_same_message(
+    options: dict[str, Any], refusal: str, wanted: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--lease-seconds, --heartbeat-interval and --job-timeout are refused with the option's
+    own message (exit status 2), before the handler is imported or a database is reached."""
+    flags = [
+        item
+        for name, value in options.items()
+        for item in (f"--{name.replace('_', '-')}", repr(value) if value == value else "nan")
+    ]
+    from sqla_proletarian.cli import main
+
+    assert main(["worker", "no_such_module:handler", *flags]) == 2
+    error = capsys.readouterr().err
+    assert f"sqla-proletarian worker: error: {refusal}" in error, error
+    assert wanted in error
+    assert "Traceback" not in error and "no_such_module" not in error
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"lease_seconds": 1},
+        {"lease_seconds": 604800, "heartbeat_interval": 604799.9, "job_timeout": 604800},
+        {"lease_seconds": 1, "heartbeat_interval": 0.05, "job_timeout": 0.001},
+        {"lease_seconds": 60.0, "heartbeat_interval": 20, "job_timeout": 900},
+    ],
+)
+def test_lease_settings_at_the_ends_of_their_ranges_are_accepted(options: dict[str, Any]) -> None:
+    made = WorkerOptions.from_kwargs(options)
+    for name, value in options.items():
+        assert getattr(made, name) == value
+
+
+def test_a_long_worker_id_is_cut_in_its_middle_where_run_records_and_leases_name_it() -> None:
+    """Run records and leases hold 255 characters of ``worker_id@host/thread``: a longer
+    one keeps its start and its end (the thread, a process's ``#N``), not only its start."""
+    from sqla_proletarian.running import owner_text
+
+    assert owner_text("w1", "host:12", "w1-0") == "w1@host:12/w1-0"
+    long_id = "a" * 150 + "b" * 150 + "#3"
+    owner = owner_text(long_id, "host:12", f"{long_id}-1")
+    assert len(owner) == 255
+    assert owner.startswith("a" * 120) and owner.endswith("b" * 100 + "#3-1")
+    assert "..." in owner
