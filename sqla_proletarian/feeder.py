@@ -123,7 +123,8 @@ class Feeder:
             return most - self._held
 
     def claim(self, connections: LeaseConnections) -> int:
-        """Claim up to room() jobs into the queue; how many."""
+        """Claim up to room() jobs into the queue; how many (1 for a claim whose jobs all
+        ended at the claim, cancelled or crashed: more may be due, poll again at once)."""
         room = self.room()
         if not room:
             connections.release()  # no connection is held while every thread is busy
@@ -133,7 +134,7 @@ class Feeder:
             self._held += len(runs)
         for run in runs:
             self._queue.put(run)
-        return len(runs)
+        return len(runs) or int(connections.claimed_last)
 
     def next_due_in(self, connections: LeaseConnections) -> float | None:
         """Seconds until the queue's next job is due (None: none is queued)."""
