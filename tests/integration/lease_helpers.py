@@ -95,3 +95,14 @@ def held_by_others(backend: str, engine: sa.Engine, job_ids: list[uuid.UUID]) ->
                 with contextlib.suppress(sa.exc.DBAPIError):
                     conn.rollback()
     return found
+
+
+def kill_session(admin: sa.Engine, dbapi_connection: Any) -> None:
+    """End a worker connection's server session from another connection (a lost session)."""
+    with admin.connect() as conn:
+        if admin.dialect.name == "postgresql":
+            info = getattr(dbapi_connection, "info", None)
+            pid = info.backend_pid if info is not None else dbapi_connection.get_backend_pid()
+            conn.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        else:
+            conn.exec_driver_sql(f"KILL {int(dbapi_connection.thread_id())}")

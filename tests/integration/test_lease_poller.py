@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from helpers import archived, count, enqueue_committed, jobs, running, wait_for
-from lease_helpers import Base, Note, job_row, notes
+from lease_helpers import Base, Note, job_row, kill_session, notes
 from sqlalchemy.orm import Session
 
 import sqla_proletarian as sp
@@ -262,17 +262,6 @@ def test_a_stop_gives_queued_unstarted_leases_back_at_once_uncharged(
     assert [row.job_id for row in archived(engine)] == [first]
 
 
-def _kill_session(admin: sa.Engine, dbapi_connection: Any) -> None:
-    """End a worker connection's server session from another connection (a lost session)."""
-    with admin.connect() as conn:
-        if admin.dialect.name == "postgresql":
-            info = getattr(dbapi_connection, "info", None)
-            pid = info.backend_pid if info is not None else dbapi_connection.get_backend_pid()
-            conn.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
-        else:
-            conn.exec_driver_sql(f"KILL {int(dbapi_connection.thread_id())}")
-
-
 @pytest.mark.parametrize("kills", [1, 2])
 def test_a_grouped_completion_whose_session_is_lost_is_tried_again_else_given_back(
     database: Any, engine: sa.Engine, kills: int
@@ -296,7 +285,7 @@ def test_a_grouped_completion_whose_session_is_lost_is_tried_again_else_given_ba
         text = " ".join(statement.split())
         if DELETES_JOBS.search(text) and " IN " in text and len(killed) < kills:
             killed.append(text)
-            _kill_session(engine, conn.connection.dbapi_connection)
+            kill_session(engine, conn.connection.dbapi_connection)
 
     sa.event.listen(worker_engine, "before_cursor_execute", kill_grouped_delete)
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from helpers import archived_job, enqueue_committed, events, jobs, running, wait_for
-from lease_helpers import Base, Note, job_row, notes
+from lease_helpers import Base, Note, job_row, kill_session, notes
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.orm import Session
 
@@ -488,17 +488,6 @@ def test_async_a_slow_failed_job_handler_of_a_timed_out_job_never_lets_another_l
 # --- every run counted -----------------------------------------------------------------------
 
 
-def _kill_session(admin: sa.Engine, dbapi_connection: Any) -> None:
-    """End a connection's server session from another connection."""
-    with admin.connect() as conn:
-        if admin.dialect.name == "postgresql":
-            info = getattr(dbapi_connection, "info", None)
-            pid = info.backend_pid if info is not None else dbapi_connection.get_backend_pid()
-            conn.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
-        else:
-            conn.exec_driver_sql(f"KILL {int(dbapi_connection.thread_id())}")
-
-
 def test_a_run_whose_connection_was_lost_is_counted_in_attempts_without_taking_a_retry(
     database: Any, engine: sa.Engine, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -517,7 +506,7 @@ def test_a_run_whose_connection_was_lost_is_counted_in_attempts_without_taking_a
         job.session.flush()
         if len(seen) == 1:
             raw = job.session.connection().connection.dbapi_connection
-            _kill_session(engine, raw)
+            kill_session(engine, raw)
 
     worker = sp.create_queue_worker(
         database.engine(),
