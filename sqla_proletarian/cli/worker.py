@@ -26,6 +26,7 @@ from sqla_proletarian.cli.common import (
     arg,
     explain,
     parse_duration,
+    parse_seconds,
     warn_if_unknown_queue,
 )
 from sqla_proletarian.errors import ConfigurationError, ProletarianError
@@ -384,14 +385,14 @@ WORKER_ARGUMENTS = (
     arg("--batch-size", type=int, default=_UNSET, metavar="N", help="jobs claimed together (1)"),
     arg(
         "--polling-interval",
-        type=float,
+        type=parse_seconds,
         default=_UNSET,
         metavar="S",
         help=f"seconds between polls of a drained queue ({DEFAULT_POLLING_INTERVAL})",
     ),
     arg(
         "--reconnect-grace",
-        type=float,
+        type=parse_seconds,
         default=_UNSET,
         metavar="S",
         help="seconds a run's worker must stay gone from the database before the run counts "
@@ -399,7 +400,7 @@ WORKER_ARGUMENTS = (
     ),
     arg(
         "--lease-seconds",
-        type=float,
+        type=parse_seconds,
         default=_UNSET,
         metavar="S",
         help="lease mode: claim each job under a lease of S seconds, renewed by a heartbeat, "
@@ -408,14 +409,14 @@ WORKER_ARGUMENTS = (
     ),
     arg(
         "--heartbeat-interval",
-        type=float,
+        type=parse_seconds,
         default=_UNSET,
         metavar="S",
         help="lease mode: seconds between renewals of the worker's leases (lease / 3)",
     ),
     arg(
         "--job-timeout",
-        type=float,
+        type=parse_seconds,
         default=_UNSET,
         metavar="S",
         help="lease mode: fail (and retry per the retry strategy) a job still running after "
@@ -445,7 +446,7 @@ WORKER_ARGUMENTS = (
     ),
     arg(
         "--shutdown-timeout",
-        type=float,
+        type=parse_seconds,
         default=_UNSET,
         metavar="S",
         help="seconds a stop waits for the running jobs to finish before it ends them "
