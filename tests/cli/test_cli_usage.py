@@ -28,7 +28,7 @@ def test_a_duration_takes_the_usual_spellings_of_its_units(text: str, seconds: f
 
 @pytest.mark.parametrize("text", ["5 mintues", "5x", "min", "5m later", ""])
 def test_a_duration_in_no_known_spelling_is_refused_with_examples(text: str) -> None:
-    with pytest.raises(UsageError, match="give a number and a unit, e.g. 30d, 12h, 5min"):
+    with pytest.raises(UsageError, match=r"give a number and a unit, e\.g\. 30d, 12h, 5min"):
         parse_duration(text)
 
 
