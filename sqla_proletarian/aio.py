@@ -450,6 +450,11 @@ class AsyncQueueWorker:
         after a stop that let every running job finish."""
         return self._unfinished
 
+    def activity(self) -> int | None:
+        """How many polls the worker's tasks have begun, or None while one is under way or a
+        job it claimed has not ended (see ``QueueWorker.activity``)."""
+        return self._polling.activity()
+
     def summary(self) -> dict[str, int]:
         """How many jobs this worker has run to each outcome."""
         return {str(outcome): count for outcome, count in self._counts.items()}

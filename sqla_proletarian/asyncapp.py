@@ -22,7 +22,13 @@ from sqla_proletarian import statements as sql
 from sqla_proletarian.errors import ConfigurationError
 from sqla_proletarian.exits import exit_after_stop, write_stderr
 from sqla_proletarian.handlers import JobHandlers
-from sqla_proletarian.supervisor import BURST_CHECK_INTERVAL, Report, any_due, stopped_event
+from sqla_proletarian.supervisor import (
+    BURST_CHECK_INTERVAL,
+    Report,
+    drained,
+    log_burst_done,
+    stopped_event,
+)
 
 if TYPE_CHECKING:  # imported when a worker runs: asyncio needs greenlet
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -165,6 +171,8 @@ async def _run(
                 report({"event": "started"})
             if burst:
                 await _until_drained(engine, worker)
+                if worker.running:
+                    await greenlet_spawn(log_burst_done, engine.sync_engine, worker)
             else:
                 await worker.wait()
         finally:
@@ -227,11 +235,12 @@ def _stop_on_signals(worker: AsyncQueueWorker, received: list[int]) -> list[int]
 
 
 async def _until_drained(engine: AsyncEngine, worker: AsyncQueueWorker) -> None:
-    """Wait while the worker runs and a job of its queues is due (running jobs count)."""
+    """Wait while the worker runs and has not drained its queues (``supervisor.drained``:
+    the jobs it claimed and still runs count)."""
     from sqlalchemy.util import greenlet_spawn
 
     interval = max(worker.options.polling_interval, BURST_CHECK_INTERVAL)
-    while worker.running and await greenlet_spawn(any_due, engine.sync_engine, worker.options):
+    while worker.running and not await greenlet_spawn(drained, engine.sync_engine, worker):
         await worker.wait(interval)
 
 

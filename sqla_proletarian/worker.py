@@ -242,6 +242,12 @@ class QueueWorker:
         worker runs, and after a stop that let every running job finish."""
         return self._unfinished
 
+    def activity(self) -> int | None:
+        """How many polls the worker has begun, or None while one is under way or a job it
+        claimed has not ended: the same number before and after a look at its queues means
+        it claimed nothing meanwhile (what ``worker --burst`` checks before it stops)."""
+        return self._polling.activity()
+
     def summary(self) -> dict[str, int]:
         """How many jobs this worker has run to each outcome."""
         with self._counts_lock:

@@ -30,6 +30,7 @@ from sqla_proletarian.cli.common import (
     warn_if_unknown_queue,
 )
 from sqla_proletarian.errors import ConfigurationError, ProletarianError
+from sqla_proletarian.exits import unfinished_text
 from sqla_proletarian.handlers import JobHandlers
 from sqla_proletarian.options import (
     DEFAULT_AWAIT_TERMINATION_TIMEOUT,
@@ -289,6 +290,13 @@ def _ended(args: argparse.Namespace, done: QueueWorker | AsyncQueueWorker) -> in
         _error("worker", f"the worker stopped: {explain(done.exception)}")
         return EXIT_FAILURE
     print(f"{done.worker_id} stopped: {done.summary_text()}", file=sys.stderr, flush=True)
+    if done.unfinished:
+        # A job claimed after the burst found the queues drained, which its stop gave up on.
+        timeout = done.options.await_termination_timeout
+        print(
+            unfinished_text(done.worker_id, done.unfinished, timeout), file=sys.stderr, flush=True
+        )
+        return EXIT_JOBS_UNFINISHED
     if args.burst and done.summary()["failed"]:
         return EXIT_JOBS_FAILED
     return EXIT_OK
@@ -460,7 +468,12 @@ WORKER_ARGUMENTS = (
         help="a job whose runs ended unclean (its worker died) N times is failed for good; "
         f"off: crash accounting off ({DEFAULT_MAX_UNCLEAN_ENDS})",
     ),
-    arg("--burst", action="store_true", help="stop once no job of the queues is due"),
+    arg(
+        "--burst",
+        action="store_true",
+        help="stop once no job of the queues is due and the jobs it started have ended "
+        "(jobs scheduled for later are left, in one log line)",
+    ),
     # Between the supervisor and its worker processes (see sqla_proletarian.supervisor).
     arg("--report-fd", type=int, help=argparse.SUPPRESS),
     arg("--process-index", type=int, help=argparse.SUPPRESS),
@@ -469,12 +482,13 @@ WORKER_ARGUMENTS = (
 
 WORKER_DETAILS = f"""\
 exit status:
-  0    --burst drained the queue, and no job was given up on
+  0    --burst drained the queue (no job due, and every job it ran has ended), and no
+       job was given up on
   1    the worker stopped by itself (a database error it does not retry: see the message)
   2    bad input (the handler cannot be imported, a bad option or worker_options)
   {EXIT_JOBS_FAILED}    --burst drained the queue, and some jobs failed for good (retries used up)
-  {EXIT_JOBS_UNFINISHED}    SIGTERM/SIGINT, and the stop gave up on running jobs when
-       --shutdown-timeout passed (they run again)
+  {EXIT_JOBS_UNFINISHED}    SIGTERM/SIGINT (or the end of --burst), and the stop gave up on
+       running jobs when --shutdown-timeout passed (they run again)
   130  SIGINT, 143 SIGTERM: the process stopped gracefully on the signal (running jobs
        finished, the summary printed) and ends by it, as systemd expects; a second signal
        ends it at once
@@ -483,7 +497,8 @@ with --processes N (N > 1), the supervisor's:
   {EXIT_UNCLEAN}    a worker process did not stop gracefully (it died during the stop), or
        with --burst ended on an error
   {EXIT_JOBS_FAILED}    --burst done, and some worker process gave up on jobs
-  {EXIT_JOBS_UNFINISHED}    SIGTERM/SIGINT, and some process's stop gave up on running jobs
+  {EXIT_JOBS_UNFINISHED}    SIGTERM/SIGINT (or --burst done), and some process's stop gave up
+       on running jobs
   1, 2 the first worker process could not start: its own status (see its message), with
        --burst too
   {EXIT_FORCED}+N  a second SIGTERM/SIGINT stopped them at once (130 SIGINT, 143 SIGTERM)
