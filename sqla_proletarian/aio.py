@@ -509,6 +509,15 @@ class AsyncQueueWorker:
                 await greenlet_spawn(self._runner.close)
             self._stopped.set()
 
+    async def abandon_running(self) -> int:
+        """Lease mode: give back the leases of the jobs still running or waiting to, without
+        an unclean end (they are due again at once), asking their handlers to stop; their
+        late outcomes are fenced off. How many. What a second SIGTERM/SIGINT does before the
+        command-line worker ends (transaction mode: nothing to give back, 0)."""
+        if not isinstance(self._runner, LeaseRunner):
+            return 0
+        return await greenlet_spawn(self._runner.abandon_in_flight)
+
     async def _cancel(self, pending: set[asyncio.Task[None]]) -> None:
         """Cancel the jobs still running after the timeout: each rolls back and runs again."""
         self._unfinished = len(pending)

@@ -6,6 +6,7 @@ SIGINT, by itself, or, with ``burst``, until its queues are drained."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import inspect
 import os
@@ -29,6 +30,7 @@ from sqla_proletarian.supervisor import (
     log_burst_done,
     stopped_event,
 )
+from sqla_proletarian.worker import SIGNAL_RELEASE_TIMEOUT
 
 if TYPE_CHECKING:  # imported when a worker runs: asyncio needs greenlet
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -220,8 +222,15 @@ def _stop_on_signals(worker: AsyncQueueWorker, received: list[int]) -> list[int]
     def on_signal(signum: int) -> None:
         name = signal.Signals(signum).name
         if received:
+            signal.signal(signum, signal.SIG_DFL)  # a third one ends the process at once
+            if worker.options.lease_seconds is not None:
+                write_stderr(
+                    f"{worker.worker_id}: {name} again, giving the running jobs back and "
+                    "exiting at once\n"
+                )
+                stops.append(loop.create_task(_release_and_exit(worker, signum)))
+                return
             write_stderr(f"{worker.worker_id}: {name} again, exiting at once\n")
-            signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
         received.append(signum)
@@ -232,6 +241,21 @@ def _stop_on_signals(worker: AsyncQueueWorker, received: list[int]) -> list[int]
     for signum in signals:
         loop.add_signal_handler(signum, on_signal, signum)
     return signals
+
+
+async def _release_and_exit(worker: AsyncQueueWorker, signum: int) -> None:
+    """Lease mode, a second signal: give the running jobs' leases back (they are due again
+    at once, without an unclean end), where the database answers within
+    ``SIGNAL_RELEASE_TIMEOUT``; then end the process by the signal."""
+    try:
+        # The database may be what is wrong: the process ends regardless.
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(SIGNAL_RELEASE_TIMEOUT):
+                await worker.abandon_running()
+    finally:
+        # The stop may have ended meanwhile and put asyncio's SIGINT handler back.
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
 
 async def _until_drained(engine: AsyncEngine, worker: AsyncQueueWorker) -> None:
