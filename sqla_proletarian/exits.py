@@ -15,6 +15,8 @@ from typing import Any, NoReturn
 #: Exit status of a worker process whose stop (on SIGTERM/SIGINT) gave up on running jobs
 #: when its shutdown timeout passed: they run again, but the stop was not clean.
 EXIT_JOBS_UNFINISHED = 4
+#: Exit status of a command that SIGINT (Ctrl-C) interrupted outside the worker's handlers.
+EXIT_INTERRUPTED = 130
 
 
 #: Seconds the exit waits for the main thread to end the process by the signal, when a

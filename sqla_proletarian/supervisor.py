@@ -41,7 +41,7 @@ from sqlalchemy import Engine
 from sqla_proletarian import statements as sql
 from sqla_proletarian.dialects import dialect_of
 from sqla_proletarian.errors import is_transient
-from sqla_proletarian.exits import EXIT_JOBS_UNFINISHED, unfinished_text
+from sqla_proletarian.exits import EXIT_INTERRUPTED, EXIT_JOBS_UNFINISHED, unfinished_text
 from sqla_proletarian.inspection import queue_status
 from sqla_proletarian.logs import log_event
 from sqla_proletarian.options import WorkerOptions
@@ -402,7 +402,7 @@ class Supervisor:
         self._unfinished += process.unfinished
         code = process.popen.returncode
         if self._stopping is not None:
-            if process.summary is None:
+            if process.summary is None and not self._ended_unstarted(process, code):
                 self._unclean += 1
             return None
         if not self._ever_started:
@@ -435,6 +435,15 @@ class Supervisor:
             restart_in=pause,
         )
         return None
+
+    def _ended_unstarted(self, process: _Process, code: int) -> bool:
+        """Whether a process ended by a signal the supervisor forwarded before it had
+        started its worker: it had no handlers yet and ran no job, so its end is clean (a
+        SIGINT then ends the command as Ctrl-C does, with EXIT_INTERRUPTED)."""
+        if process.started:
+            return False
+        forwarded = {signum for signum in (self._stopping, self._forced) if signum is not None}
+        return -code in forwarded or (signal.SIGINT in forwarded and code == EXIT_INTERRUPTED)
 
     # --- reports ---------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from sqla_proletarian import statements as sql
 from sqla_proletarian.asyncapp import sync_url
 from sqla_proletarian.dashboard.views import age_text
 from sqla_proletarian.errors import ConfigurationError, ProletarianError, driver_error
+from sqla_proletarian.exits import EXIT_INTERRUPTED as EXIT_INTERRUPTED
 from sqla_proletarian.inspection import JOB_STATES, list_jobs, queue_status
 
 PROG = "sqla-proletarian"
@@ -30,8 +31,6 @@ PROG = "sqla-proletarian"
 EXIT_USAGE = 2
 #: Exit status for anything else that went wrong.
 EXIT_FAILURE = 1
-#: Exit status after Ctrl-C in a command other than ``worker``.
-EXIT_INTERRUPTED = 130
 
 #: A number and its unit, in any of the usual spellings (``5m``, ``5min``, ``5 minutes``).
 _DURATION = re.compile(

@@ -491,11 +491,11 @@ exit status:
        running jobs when --shutdown-timeout passed (they run again)
   130  SIGINT, 143 SIGTERM: the process stopped gracefully on the signal (running jobs
        finished, the summary printed) and ends by it, as systemd expects; a second signal
-       ends it at once
+       ends it at once (lease mode: after giving the running jobs' leases back)
 with --processes N (N > 1), the supervisor's:
   {EXIT_OK}    SIGTERM/SIGINT, and every worker process stopped gracefully; or --burst done
-  {EXIT_UNCLEAN}    a worker process did not stop gracefully (it died during the stop), or
-       with --burst ended on an error
+  {EXIT_UNCLEAN}    a worker process did not stop gracefully (it died during the stop, once
+       started), or with --burst ended on an error
   {EXIT_JOBS_FAILED}    --burst done, and some worker process gave up on jobs
   {EXIT_JOBS_UNFINISHED}    SIGTERM/SIGINT (or --burst done), and some process's stop gave up
        on running jobs
