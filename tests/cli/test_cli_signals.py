@@ -58,9 +58,9 @@ def test_a_second_signal_gives_the_running_jobs_lease_back_before_the_process_en
 
     said = stderr.read_text()
     assert status == -signum, said
-    assert f"{signum.name} again, giving the running jobs back and exiting at once" in said
     [row] = rows(engine, statements.JOB)
     assert (row.job_id, row.lease_token, row.unclean_ends) == (job, None, 0), said
+    assert f"{signum.name} again, giving the running jobs back and exiting at once" in said
     ran: list[object] = []
     deadline = time.monotonic() + 10  # well short of the 300 s lease
     while not ran and time.monotonic() < deadline:
