@@ -461,6 +461,11 @@ class AsyncQueueWorker:
         after a stop that let every running job finish."""
         return self._unfinished
 
+    def activity(self) -> int | None:
+        """How many polls the worker's tasks have begun, or None while one is under way or a
+        job it claimed has not ended (see ``QueueWorker.activity``)."""
+        return self._polling.activity()
+
     def summary(self) -> dict[str, int]:
         """How many jobs this worker has run to each outcome."""
         return {str(outcome): count for outcome, count in self._counts.items()}
@@ -517,6 +522,15 @@ class AsyncQueueWorker:
             with contextlib.suppress(Exception):
                 await greenlet_spawn(self._runner.close)
             self._stopped.set()
+
+    async def abandon_running(self) -> int:
+        """Lease mode: give back the leases of the jobs still running or waiting to, without
+        an unclean end (they are due again at once), asking their handlers to stop; their
+        late outcomes are fenced off. How many. What a second SIGTERM/SIGINT does before the
+        command-line worker ends (transaction mode: nothing to give back, 0)."""
+        if not isinstance(self._runner, LeaseRunner):
+            return 0
+        return await greenlet_spawn(self._runner.abandon_in_flight)
 
     async def _cancel(self, pending: set[asyncio.Task[None]]) -> None:
         """Cancel the jobs still running after the timeout: each rolls back and runs again."""

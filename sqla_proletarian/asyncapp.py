@@ -6,6 +6,7 @@ SIGINT, by itself, or, with ``burst``, until its queues are drained."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import inspect
 import os
@@ -22,7 +23,14 @@ from sqla_proletarian import statements as sql
 from sqla_proletarian.errors import ConfigurationError
 from sqla_proletarian.exits import exit_after_stop, write_stderr
 from sqla_proletarian.handlers import JobHandlers
-from sqla_proletarian.supervisor import BURST_CHECK_INTERVAL, Report, any_due, stopped_event
+from sqla_proletarian.supervisor import (
+    BURST_CHECK_INTERVAL,
+    Report,
+    drained,
+    log_burst_done,
+    stopped_event,
+)
+from sqla_proletarian.worker import SIGNAL_RELEASE_TIMEOUT
 
 if TYPE_CHECKING:  # imported when a worker runs: asyncio needs greenlet
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -165,6 +173,8 @@ async def _run(
                 report({"event": "started"})
             if burst:
                 await _until_drained(engine, worker)
+                if worker.running:
+                    await greenlet_spawn(log_burst_done, engine.sync_engine, worker)
             else:
                 await worker.wait()
         finally:
@@ -212,8 +222,15 @@ def _stop_on_signals(worker: AsyncQueueWorker, received: list[int]) -> list[int]
     def on_signal(signum: int) -> None:
         name = signal.Signals(signum).name
         if received:
+            signal.signal(signum, signal.SIG_DFL)  # a third one ends the process at once
+            if worker.options.lease_seconds is not None:
+                write_stderr(
+                    f"{worker.worker_id}: {name} again, giving the running jobs back and "
+                    "exiting at once\n"
+                )
+                stops.append(loop.create_task(_release_and_exit(worker, signum)))
+                return
             write_stderr(f"{worker.worker_id}: {name} again, exiting at once\n")
-            signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
         received.append(signum)
@@ -226,12 +243,28 @@ def _stop_on_signals(worker: AsyncQueueWorker, received: list[int]) -> list[int]
     return signals
 
 
+async def _release_and_exit(worker: AsyncQueueWorker, signum: int) -> None:
+    """Lease mode, a second signal: give the running jobs' leases back (they are due again
+    at once, without an unclean end), where the database answers within
+    ``SIGNAL_RELEASE_TIMEOUT``; then end the process by the signal."""
+    try:
+        # The database may be what is wrong: the process ends regardless.
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(SIGNAL_RELEASE_TIMEOUT):
+                await worker.abandon_running()
+    finally:
+        # The stop may have ended meanwhile and put asyncio's SIGINT handler back.
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
 async def _until_drained(engine: AsyncEngine, worker: AsyncQueueWorker) -> None:
-    """Wait while the worker runs and a job of its queues is due (running jobs count)."""
+    """Wait while the worker runs and has not drained its queues (``supervisor.drained``:
+    the jobs it claimed and still runs count)."""
     from sqlalchemy.util import greenlet_spawn
 
     interval = max(worker.options.polling_interval, BURST_CHECK_INTERVAL)
-    while worker.running and await greenlet_spawn(any_due, engine.sync_engine, worker.options):
+    while worker.running and not await greenlet_spawn(drained, engine.sync_engine, worker):
         await worker.wait(interval)
 
 

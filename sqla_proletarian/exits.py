@@ -7,12 +7,21 @@ import atexit
 import contextlib
 import logging
 import os
+import signal
 import sys
+import time
 from typing import Any, NoReturn
 
 #: Exit status of a worker process whose stop (on SIGTERM/SIGINT) gave up on running jobs
 #: when its shutdown timeout passed: they run again, but the stop was not clean.
 EXIT_JOBS_UNFINISHED = 4
+#: Exit status of a command that SIGINT (Ctrl-C) interrupted outside the worker's handlers.
+EXIT_INTERRUPTED = 130
+
+
+#: Seconds the exit waits for the main thread to end the process by the signal, when a
+#: handler of it is still installed.
+SIGNAL_EXIT_GRACE = 5.0
 
 
 def unfinished_text(who: str, unfinished: int, timeout: float | None = None) -> str:
@@ -49,9 +58,13 @@ def exit_as_signal(signum: int) -> NoReturn:
     try:
         _run_exit_handlers()
     finally:
-        # The signal handler set SIG_DFL when it took the signal.
+        # The signal handler set SIG_DFL when it took the signal, or (lease mode, which
+        # keeps it for a second signal) sets it now, in the main thread, and kills again.
+        handled = signal.getsignal(signum) != signal.SIG_DFL
         os.kill(os.getpid(), signum)
-        os._exit(128 + signum)  # only if something put a handler back meanwhile
+        if handled:
+            time.sleep(SIGNAL_EXIT_GRACE)
+        os._exit(128 + signum)  # only if the signal did not end the process
 
 
 def _run_exit_handlers() -> None:

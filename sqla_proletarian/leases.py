@@ -366,6 +366,11 @@ class LeaseRunner(RunnerBase):
         finally:
             self.close()
 
+    def in_flight(self) -> int:
+        """How many runs hold this worker's leases: claimed, running, or waiting for their
+        completion to be written (a burst waits for them)."""
+        return len(self._running())
+
     def abandon_in_flight(self) -> int:
         """Release the leases of the handlers still running when a stop gives up on them:
         their jobs are due again at once, without an unclean end, and each handler is asked

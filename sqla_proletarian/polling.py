@@ -14,16 +14,19 @@ mode: each poller waits on its own.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import random
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sqla_proletarian import wakeups
 from sqla_proletarian.errors import is_transient, polling_error_hint, transient_hint
+from sqla_proletarian.leases import LeaseRunner
 from sqla_proletarian.logs import log_event
 
 if TYPE_CHECKING:
@@ -31,7 +34,7 @@ if TYPE_CHECKING:
 
     from sqla_proletarian.execution import JobRunner
     from sqla_proletarian.feeder import Feeder
-    from sqla_proletarian.leases import LeaseConnections, LeaseRunner
+    from sqla_proletarian.leases import LeaseConnections
     from sqla_proletarian.options import WorkerOptions
     from sqla_proletarian.periodic import Scheduler
     from sqla_proletarian.running import RunnerBase
@@ -178,8 +181,39 @@ class Polling:
         self._listener = listener
         self._guard: AbstractContextManager[Any] = guard if guard is not None else nullcontext()
         self._await_result = await_result
+        #: Claims begun, and those under way (with their runs, but for the lease-mode
+        #: poller's, whose runs the runner holds): what a burst checks (``activity``).
+        self._claims = 0
+        self._claiming = 0
+        self._claims_lock = threading.Lock()
         if self.shared_idle:
             runner.on_claim = self.end_watch
+
+    @contextlib.contextmanager
+    def claiming(self) -> Iterator[None]:
+        """Around a poll that may enqueue periodic jobs, claim jobs and run them."""
+        with self._claims_lock:
+            self._claims += 1
+            self._claiming += 1
+        try:
+            yield
+        finally:
+            with self._claims_lock:
+                self._claiming -= 1
+
+    def activity(self) -> int | None:
+        """How many polls have begun, or None while one is under way or a job claimed has
+        not ended (lease mode: its lease is held). The same number before and after a look
+        at the queues means the worker claimed and ended nothing meanwhile: a burst that
+        found no job due then has drained them (a leased job is not due, yet not done)."""
+        with self._claims_lock:
+            if self._claiming:
+                return None
+            claims = self._claims
+        runner = self.runner
+        held = runner.in_flight() if isinstance(runner, LeaseRunner) else 0
+        with self._claims_lock:
+            return None if held or self._claiming or claims != self._claims else claims
 
     def enqueued(self, committing: bool) -> None:
         """An enqueue in this process woke the worker: while its transaction is committing,
@@ -293,9 +327,10 @@ class Poll(_Poller):
         try:
             if self.connections is None:
                 self.connections = polling.runner.open_connections()
-            if polling.scheduler is not None:
-                polling.scheduler.tick(self.connections.conn)
-            ran = polling.runner.process_one(self.connections)
+            with polling.claiming():
+                if polling.scheduler is not None:
+                    polling.scheduler.tick(self.connections.conn)
+                ran = polling.runner.process_one(self.connections)
             decision: Decision = RAN if ran else Idle(polling.idle_pause(self.connections))
         except Exception as exc:
             self._close()
@@ -331,9 +366,10 @@ class Feed(_Poller):
         pause, claimed = LISTENING_POLL_INTERVAL, False
         try:
             if feeder.room():
-                if polling.scheduler is not None:
-                    polling.scheduler.tick(connections.conn)
-                claimed = feeder.claim(connections) > 0
+                with polling.claiming():
+                    if polling.scheduler is not None:
+                        polling.scheduler.tick(connections.conn)
+                    claimed = feeder.claim(connections) > 0
                 if not claimed:
                     pause = polling.drained_pause(feeder, connections)
             else:

@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from types import FrameType
 from typing import Any
 
@@ -40,9 +41,11 @@ from sqlalchemy import Engine
 from sqla_proletarian import statements as sql
 from sqla_proletarian.dialects import dialect_of
 from sqla_proletarian.errors import is_transient
-from sqla_proletarian.exits import EXIT_JOBS_UNFINISHED, unfinished_text
+from sqla_proletarian.exits import EXIT_INTERRUPTED, EXIT_JOBS_UNFINISHED, unfinished_text
+from sqla_proletarian.inspection import queue_status
 from sqla_proletarian.logs import log_event
 from sqla_proletarian.options import WorkerOptions
+from sqla_proletarian.running import read_rows
 from sqla_proletarian.worker import QueueWorker, create_queue_worker
 
 __all__ = [
@@ -102,9 +105,11 @@ def run_worker(
     Options are those of ``create_queue_worker``. Without ``burst`` it runs until stopped:
     by SIGTERM or SIGINT with ``install_signal_handlers=True`` (which ends the process as
     the worker's signal handling does), or by itself (``worker.exception`` says why). With
-    ``burst`` it stops once no job of its queues is due (or they are paused): jobs running
-    count as due, so they finish first, and retries scheduled for later do not keep it going.
-    ``report`` receives a ``started`` and a ``stopped`` event (see ``Report``).
+    ``burst`` it stops once no job of its queues is due (or they are paused) and none it
+    claimed is still running (see ``drained``): running jobs finish first, and retries
+    scheduled for later do not keep it going (one log line, ``burst-done``, says how many
+    there are and when the next is due). ``report`` receives a ``started`` and a
+    ``stopped`` event (see ``Report``).
     """
     started: list[QueueWorker] = []
     on_shutdown = options.pop("on_shutdown", None)
@@ -123,6 +128,8 @@ def run_worker(
             report({"event": "started"})
         if burst:
             _run_until_drained(engine, worker)
+            if worker.running:
+                log_burst_done(engine, worker)
         else:
             worker.wait()
     finally:
@@ -131,11 +138,58 @@ def run_worker(
 
 
 def _run_until_drained(engine: Engine, worker: QueueWorker) -> None:
-    """Wait while the worker runs and a job of its queues is due."""
-    options = worker.options
-    interval = max(options.polling_interval, BURST_CHECK_INTERVAL)
-    while worker.running and any_due(engine, options):
+    """Wait while the worker runs and has not drained its queues."""
+    interval = max(worker.options.polling_interval, BURST_CHECK_INTERVAL)
+    while worker.running and not drained(engine, worker):
         worker.wait(interval)
+
+
+def drained(engine: Engine, worker: QueueWorker | Any) -> bool:
+    """Whether a burst worker is done: no job of its queues is due and none it claimed is
+    still running. In lease mode a running job is not due (its ``process_at`` is its lease's
+    expiry), so the worker's own count of claims under way (``activity``) is read before
+    and after the look at the queues: the same on both sides, nothing changed between."""
+    before = worker.activity()
+    if before is None:
+        return False
+    return not any_due(engine, worker.options) and worker.activity() == before
+
+
+def log_burst_done(engine: Engine, worker: QueueWorker | Any) -> None:
+    """Say, in one line, how many jobs of a drained burst worker's queues are scheduled for
+    later (retries waiting included) and when the next is due: the burst leaves them."""
+    options = worker.options
+    try:
+        with engine.connect() as conn:
+            now, scan = options.clock(), dialect_of(conn).priority_scan
+            later = sum(
+                status.scheduled
+                for status in queue_status(conn, clock=options.clock)
+                if status.queue in options.queues
+            )
+            firsts = read_rows(conn, (sql.next_due(queue, scan) for queue in options.queues))
+    except Exception as exc:
+        if not is_transient(exc):
+            raise
+        return
+    if not later:
+        return
+    due = min((_aware(row[0]) for row in firsts if _aware(row[0]) > now), default=None)
+    log_event(
+        logging.INFO,
+        "burst-done",
+        worker_id=worker.worker_id,
+        scheduled_later=later,
+        next_due_at=due.isoformat() if due is not None else None,
+        next_due_in=f"{(due - now).total_seconds():.0f}s" if due is not None else None,
+        hint="jobs scheduled for later (retries waiting included) stay queued: run the "
+        "worker again once they are due, or without --burst",
+    )
+
+
+def _aware(value: datetime) -> datetime:
+    """A time read back from the database, in UTC (SQLite's come back naive)."""
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
 
 
 def any_due(engine: Engine, options: WorkerOptions) -> bool:
@@ -348,14 +402,18 @@ class Supervisor:
         self._unfinished += process.unfinished
         code = process.popen.returncode
         if self._stopping is not None:
-            if process.summary is None:
+            if process.summary is None and not self._ended_unstarted(process, code):
                 self._unclean += 1
             return None
         if not self._ever_started:
             # The first process could not start (a bad handler, the database away or its
             # tables missing): the others would fail alike, and they have not been started.
             return code if code > 0 else EXIT_UNCLEAN
-        if self.burst and code in (EXIT_OK, EXIT_JOBS_FAILED) and process.summary is not None:
+        if (
+            self.burst
+            and code in (EXIT_OK, EXIT_JOBS_FAILED, EXIT_JOBS_UNFINISHED)
+            and process.summary is not None
+        ):
             slot.done = True
             return None
         if self.burst and code > 0:
@@ -377,6 +435,15 @@ class Supervisor:
             restart_in=pause,
         )
         return None
+
+    def _ended_unstarted(self, process: _Process, code: int) -> bool:
+        """Whether a process ended by a signal the supervisor forwarded before it had
+        started its worker: it had no handlers yet and ran no job, so its end is clean (a
+        SIGINT then ends the command as Ctrl-C does, with EXIT_INTERRUPTED)."""
+        if process.started:
+            return False
+        forwarded = {signum for signum in (self._stopping, self._forced) if signum is not None}
+        return -code in forwarded or (signal.SIGINT in forwarded and code == EXIT_INTERRUPTED)
 
     # --- reports ---------------------------------------------------------------------------
 

@@ -137,6 +137,11 @@ class QueueWorker:
         self._signals: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         #: The first signal taken; from then on it is ending the process.
         self._signal_received: int | None = None
+        #: Lease mode: the handler stays after the first signal, so that a second one gives
+        #: the running jobs' leases back before the process ends; set once the exit's own
+        #: kill is coming.
+        self._releases_on_second_signal = options.lease_seconds is not None
+        self._signal_exiting = False
         self._signal_exit: threading.Thread | None = None
         if options.install_signal_handlers:
             _require_main_thread()
@@ -241,6 +246,12 @@ class QueueWorker:
         passed (they roll back, or their leases go back, and they run again); 0 while the
         worker runs, and after a stop that let every running job finish."""
         return self._unfinished
+
+    def activity(self) -> int | None:
+        """How many polls the worker has begun, or None while one is under way or a job it
+        claimed has not ended: the same number before and after a look at its queues means
+        it claimed nothing meanwhile (what ``worker --burst`` checks before it stops)."""
+        return self._polling.activity()
 
     def summary(self) -> dict[str, int]:
         """How many jobs this worker has run to each outcome."""
@@ -453,27 +464,42 @@ class QueueWorker:
             self._signals.put(None)  # the watcher thread ends
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        """Ask for a graceful stop and exit; a second signal meanwhile exits at once.
+        """Ask for a graceful stop and exit; a second signal meanwhile exits at once (in
+        lease mode after giving the running jobs' leases back, see ``_exit_at_once``).
 
         It runs between two bytecodes of the main thread, which may hold any lock then
         (inside stop(), summary(), a print): so it takes no lock and prints nothing; it
         hands the signal to the watcher thread (SimpleQueue.put is safe here).
         """
-        if self._signal_received is not None:
-            # A second signal while jobs finish: exit now; their transactions roll back.
-            name = signal.Signals(signum).name
-            write_stderr(f"{self.worker_id}: {name} again, exiting at once\n")
+        if self._signal_exiting:
+            # The exit's own kill (lease mode kept this handler for a second signal).
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
+        if self._signal_received is not None:
+            # A second signal while jobs finish: exit now; their transactions roll back.
+            name = signal.Signals(signum).name
+            signal.signal(signum, signal.SIG_DFL)  # a third one ends the process at once
+            if self._releases_on_second_signal:
+                write_stderr(
+                    f"{self.worker_id}: {name} again, giving the running jobs back and "
+                    "exiting at once\n"
+                )
+                self._signals.put(signum)  # the watcher thread gives their leases back
+                return
+            write_stderr(f"{self.worker_id}: {name} again, exiting at once\n")
+            os.kill(os.getpid(), signum)
+            return
         self._signal_received = signum
-        # The same signal again ends the process at once, and so does the exit's own kill.
-        signal.signal(signum, signal.SIG_DFL)
+        if not self._releases_on_second_signal:
+            # The same signal again ends the process at once, and so does the exit's kill.
+            signal.signal(signum, signal.SIG_DFL)
         self._signals.put(signum)
 
     def _watch_signals(self) -> None:
         """The watcher thread: hand the first signal to a thread that stops the worker and
-        ends the process. That thread is no daemon, so the interpreter cannot exit first."""
+        ends the process. That thread is no daemon, so the interpreter cannot exit first.
+        Lease mode: a second signal comes here too (see ``_exit_at_once``)."""
         signum = self._signals.get()
         if signum is None:
             return
@@ -487,6 +513,25 @@ class QueueWorker:
         )
         self._signal_exit = exit_thread
         exit_thread.start()
+        again = self._signals.get()
+        if again is not None:
+            self._exit_at_once(again)
+
+    def _exit_at_once(self, signum: int) -> None:
+        """Lease mode, a second signal: give back the leases of the jobs still running or
+        waiting to (without an unclean end: they are due again at once, not when their
+        leases expire), where the database answers within ``SIGNAL_RELEASE_TIMEOUT``; then
+        end the process by the signal. Their handlers' late writes are fenced off."""
+        releaser = threading.Thread(
+            target=self._release_running, name=f"{self.worker_id}-release", daemon=True
+        )
+        releaser.start()
+        releaser.join(SIGNAL_RELEASE_TIMEOUT)
+        os.kill(os.getpid(), signum)
+
+    def _release_running(self) -> None:
+        with contextlib.suppress(Exception):  # the database may be what is wrong
+            self._runner.abandon_in_flight()
 
     def _exit_on_signal(self, signum: int) -> None:
         """Stop gracefully, print the summary, then exit as the signal would have (or with
@@ -501,6 +546,7 @@ class QueueWorker:
             self.stop()
             print(f"{self.worker_id} stopped: {self.summary_text()}", file=sys.stderr, flush=True)
         finally:
+            self._signal_exiting = True
             exit_after_stop(self, signum)
 
     def _park_during_signal_exit(self) -> None:
@@ -510,6 +556,11 @@ class QueueWorker:
             return
         while True:
             threading.Event().wait()
+
+
+#: Seconds a second SIGINT/SIGTERM waits for the running jobs' leases to go back (lease
+#: mode) before it ends the process regardless.
+SIGNAL_RELEASE_TIMEOUT = 5.0
 
 
 def _check_engine(engine: Engine) -> None:

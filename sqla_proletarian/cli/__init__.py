@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from sqla_proletarian import __version__
 from sqla_proletarian.cli.common import (
@@ -63,12 +64,39 @@ COMMANDS: tuple[Command, ...] = (
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, with usage errors in one line."""
+    """argparse, with usage errors in one line; an option no command knows is refused by
+    the command it was given to, with the nearest option it has ("did you mean")."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: The commands' parsers, by name (the top-level parser's).
+        self.commands: dict[str, _Parser] = {}
 
     def error(self, message: str) -> NoReturn:
         command = None if self.prog == PROG else self.prog.removeprefix(f"{PROG} ")
         _error(command, f"{message} (see {self.prog} --help)")
         raise SystemExit(EXIT_USAGE)
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            parser = self.commands.get(getattr(parsed, "command", None) or "", self)
+            parser.error(parser.unrecognized(unknown))
+        return parsed
+
+    def unrecognized(self, unknown: list[str]) -> str:
+        """argparse's message for arguments this parser does not know, and the option the
+        first mistyped one most likely meant."""
+        message = f"unrecognized arguments: {' '.join(unknown)}"
+        known = [name for action in self._actions for name in action.option_strings]
+        for word in unknown:
+            if word.startswith("--"):
+                close = difflib.get_close_matches(word.partition("=")[0], known, n=1)
+                if close:
+                    return f"{message}; did you mean {close[0]}?"
+        return message
 
 
 def _add_common_arguments(parser: argparse.ArgumentParser, default: object) -> None:
@@ -86,7 +114,7 @@ def _add_common_arguments(parser: argparse.ArgumentParser, default: object) -> N
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> _Parser:
     # After the command the options only override what was given before it.
     common = _Parser(add_help=False)
     _add_common_arguments(common, argparse.SUPPRESS)
@@ -102,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in COMMANDS:
-        sub = subparsers.add_parser(
+        sub: _Parser = subparsers.add_parser(
             command.name,
             parents=[common],
             help=command.summary,
@@ -114,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
         for names, options in command.arguments:
             sub.add_argument(*names, **options)
         sub.set_defaults(run=command.run)
+        parser.commands[command.name] = sub
     return parser
 
 

@@ -23,6 +23,7 @@ from sqla_proletarian import statements as sql
 from sqla_proletarian.asyncapp import sync_url
 from sqla_proletarian.dashboard.views import age_text
 from sqla_proletarian.errors import ConfigurationError, ProletarianError, driver_error
+from sqla_proletarian.exits import EXIT_INTERRUPTED as EXIT_INTERRUPTED
 from sqla_proletarian.inspection import JOB_STATES, list_jobs, queue_status
 
 PROG = "sqla-proletarian"
@@ -30,10 +31,12 @@ PROG = "sqla-proletarian"
 EXIT_USAGE = 2
 #: Exit status for anything else that went wrong.
 EXIT_FAILURE = 1
-#: Exit status after Ctrl-C in a command other than ``worker``.
-EXIT_INTERRUPTED = 130
 
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)([dhms])")
+#: A number and its unit, in any of the usual spellings (``5m``, ``5min``, ``5 minutes``).
+_DURATION = re.compile(
+    r"\s*(\d+(?:\.\d+)?)\s*(days?|d|hours?|hrs?|h|minutes?|mins?|m|seconds?|secs?|s)\s*"
+)
+#: Seconds per unit, by the unit's first letter.
 _UNITS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
 #: Words in a database's error that mean the library's tables (or columns) are missing.
 _MISSING_TABLE = (
@@ -53,17 +56,30 @@ class UsageError(ConfigurationError):
 
 
 def parse_duration(text: str) -> timedelta:
-    """``30d``, ``12h``, ``90m``, ``45s``, or several together (``1h30m``); a bare number is
-    seconds."""
+    """``30d``, ``12h``, ``90m``, ``45s``, or several together (``1h30m``); the units also
+    spelt ``day(s)``, ``hr``/``hour(s)``, ``min(s)``/``minute(s)``, ``sec(s)``/``second(s)``
+    (``5min``, ``2 hours``); a bare number is seconds."""
     value = text.strip().lower()
     try:
         return timedelta(seconds=float(value))
     except ValueError:
         pass
-    parts = _DURATION.findall(value)
-    if not value or "".join(number + unit for number, unit in parts) != value:
-        raise UsageError(f"duration {text!r}: give a number and a unit, e.g. 30d, 12h, 90m or 45s")
-    return timedelta(seconds=sum(float(number) * _UNITS[unit] for number, unit in parts))
+    parts = list(_DURATION.finditer(value))
+    if not value or "".join(part.group(0) for part in parts) != value:
+        raise UsageError(
+            f"duration {text!r}: give a number and a unit, e.g. 30d, 12h, 5min, 90m or 45s"
+        )
+    return timedelta(seconds=sum(float(part[1]) * _UNITS[part[2][0]] for part in parts))
+
+
+def parse_seconds(text: str) -> float:
+    """A flag's seconds: a number, or a duration such as ``5min`` (see parse_duration)."""
+    try:
+        return parse_duration(text).total_seconds()
+    except UsageError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give seconds, or a number and a unit, e.g. 30, 45s, 5min or 2h"
+        ) from None
 
 
 def _payload(text: str | None) -> Any:
@@ -87,11 +103,19 @@ def _url(args: argparse.Namespace) -> URL:
             "no database URL: pass --url dialect+driver://user@host/dbname or set DATABASE_URL"
         )
     try:
-        return make_url(text)
+        url = make_url(text)
     except sa_exc.ArgumentError:
         raise UsageError(
             "the database URL cannot be parsed: give dialect+driver://user:password@host/dbname"
         ) from None
+    if url.get_backend_name() == "sqlite" and url.host:
+        # sqlite://app.db reads app.db as a host name, which SQLite has none of.
+        path = url.host + (f"/{url.database}" if url.database else "")
+        raise UsageError(
+            f"Invalid SQLite URL {text!r}: use {url.drivername}:///{path} (three slashes for "
+            "a relative path, four for an absolute one)"
+        )
+    return url
 
 
 def _engine(url: URL, **options: Any) -> sa.Engine:
@@ -148,14 +172,19 @@ def _check_tables(engine: sa.Engine) -> None:
 
 def warn_if_unknown_queue(engine: sa.Engine, command: str, queue: str | None) -> None:
     """Warn on standard error if ``queue`` has never held a job (no job, archived job or
-    pause of it): most likely a misspelling, which would otherwise pass in silence."""
+    pause of it) while other queues have: most likely a misspelling, which would otherwise
+    pass in silence. A database that has never held any job (a fresh deployment) gets no
+    warning: no queue name is known yet to compare with."""
     if queue is None:
         return
     for state in JOB_STATES:
         if list_jobs(engine, state, queue=queue, limit=1).jobs:
             return
-    if any(status.queue == queue for status in queue_status(engine)):
+    statuses = queue_status(engine)
+    if any(status.queue == queue for status in statuses):
         return  # paused
+    if not statuses and not any(list_jobs(engine, state, limit=1).jobs for state in JOB_STATES):
+        return  # no queue has held a job yet
     print(
         f"{PROG} {command}: warning: queue {queue!r} has never held a job (no job, archived "
         f"job or pause of it): check its spelling; `{PROG} status` lists the queues",

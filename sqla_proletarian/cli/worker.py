@@ -26,9 +26,11 @@ from sqla_proletarian.cli.common import (
     arg,
     explain,
     parse_duration,
+    parse_seconds,
     warn_if_unknown_queue,
 )
 from sqla_proletarian.errors import ConfigurationError, ProletarianError
+from sqla_proletarian.exits import unfinished_text
 from sqla_proletarian.handlers import JobHandlers
 from sqla_proletarian.options import (
     DEFAULT_AWAIT_TERMINATION_TIMEOUT,
@@ -288,6 +290,13 @@ def _ended(args: argparse.Namespace, done: QueueWorker | AsyncQueueWorker) -> in
         _error("worker", f"the worker stopped: {explain(done.exception)}")
         return EXIT_FAILURE
     print(f"{done.worker_id} stopped: {done.summary_text()}", file=sys.stderr, flush=True)
+    if done.unfinished:
+        # A job claimed after the burst found the queues drained, which its stop gave up on.
+        timeout = done.options.await_termination_timeout
+        print(
+            unfinished_text(done.worker_id, done.unfinished, timeout), file=sys.stderr, flush=True
+        )
+        return EXIT_JOBS_UNFINISHED
     if args.burst and done.summary()["failed"]:
         return EXIT_JOBS_FAILED
     return EXIT_OK
@@ -384,14 +393,14 @@ WORKER_ARGUMENTS = (
     arg("--batch-size", type=int, default=_UNSET, metavar="N", help="jobs claimed together (1)"),
     arg(
         "--polling-interval",
-        type=float,
+        type=parse_seconds,
         default=_UNSET,
         metavar="S",
         help=f"seconds between polls of a drained queue ({DEFAULT_POLLING_INTERVAL})",
     ),
     arg(
         "--reconnect-grace",
-        type=float,
+        type=parse_seconds,
         default=_UNSET,
         metavar="S",
         help="seconds a run's worker must stay gone from the database before the run counts "
@@ -399,7 +408,7 @@ WORKER_ARGUMENTS = (
     ),
     arg(
         "--lease-seconds",
-        type=float,
+        type=parse_seconds,
         default=_UNSET,
         metavar="S",
         help="lease mode: claim each job under a lease of S seconds, renewed by a heartbeat, "
@@ -408,14 +417,14 @@ WORKER_ARGUMENTS = (
     ),
     arg(
         "--heartbeat-interval",
-        type=float,
+        type=parse_seconds,
         default=_UNSET,
         metavar="S",
         help="lease mode: seconds between renewals of the worker's leases (lease / 3)",
     ),
     arg(
         "--job-timeout",
-        type=float,
+        type=parse_seconds,
         default=_UNSET,
         metavar="S",
         help="lease mode: fail (and retry per the retry strategy) a job still running after "
@@ -445,7 +454,7 @@ WORKER_ARGUMENTS = (
     ),
     arg(
         "--shutdown-timeout",
-        type=float,
+        type=parse_seconds,
         default=_UNSET,
         metavar="S",
         help="seconds a stop waits for the running jobs to finish before it ends them "
@@ -459,7 +468,12 @@ WORKER_ARGUMENTS = (
         help="a job whose runs ended unclean (its worker died) N times is failed for good; "
         f"off: crash accounting off ({DEFAULT_MAX_UNCLEAN_ENDS})",
     ),
-    arg("--burst", action="store_true", help="stop once no job of the queues is due"),
+    arg(
+        "--burst",
+        action="store_true",
+        help="stop once no job of the queues is due and the jobs it started have ended "
+        "(jobs scheduled for later are left, in one log line)",
+    ),
     # Between the supervisor and its worker processes (see sqla_proletarian.supervisor).
     arg("--report-fd", type=int, help=argparse.SUPPRESS),
     arg("--process-index", type=int, help=argparse.SUPPRESS),
@@ -468,21 +482,23 @@ WORKER_ARGUMENTS = (
 
 WORKER_DETAILS = f"""\
 exit status:
-  0    --burst drained the queue, and no job was given up on
+  0    --burst drained the queue (no job due, and every job it ran has ended), and no
+       job was given up on
   1    the worker stopped by itself (a database error it does not retry: see the message)
   2    bad input (the handler cannot be imported, a bad option or worker_options)
   {EXIT_JOBS_FAILED}    --burst drained the queue, and some jobs failed for good (retries used up)
-  {EXIT_JOBS_UNFINISHED}    SIGTERM/SIGINT, and the stop gave up on running jobs when
-       --shutdown-timeout passed (they run again)
+  {EXIT_JOBS_UNFINISHED}    SIGTERM/SIGINT (or the end of --burst), and the stop gave up on
+       running jobs when --shutdown-timeout passed (they run again)
   130  SIGINT, 143 SIGTERM: the process stopped gracefully on the signal (running jobs
        finished, the summary printed) and ends by it, as systemd expects; a second signal
-       ends it at once
+       ends it at once (lease mode: after giving the running jobs' leases back)
 with --processes N (N > 1), the supervisor's:
   {EXIT_OK}    SIGTERM/SIGINT, and every worker process stopped gracefully; or --burst done
-  {EXIT_UNCLEAN}    a worker process did not stop gracefully (it died during the stop), or
-       with --burst ended on an error
+  {EXIT_UNCLEAN}    a worker process did not stop gracefully (it died during the stop, once
+       started), or with --burst ended on an error
   {EXIT_JOBS_FAILED}    --burst done, and some worker process gave up on jobs
-  {EXIT_JOBS_UNFINISHED}    SIGTERM/SIGINT, and some process's stop gave up on running jobs
+  {EXIT_JOBS_UNFINISHED}    SIGTERM/SIGINT (or --burst done), and some process's stop gave up
+       on running jobs
   1, 2 the first worker process could not start: its own status (see its message), with
        --burst too
   {EXIT_FORCED}+N  a second SIGTERM/SIGINT stopped them at once (130 SIGINT, 143 SIGTERM)

@@ -171,7 +171,7 @@ def test_bad_input_gets_one_line_and_a_non_zero_status(tmp_path: Path) -> None:
     assert "reconnect_grace is -1.0" in assert_one_line_error(bad_grace, 2)
 
     bad_duration = cli("prune", "--older-than", "ten days", "--url", url)
-    assert "30d, 12h, 90m or 45s" in assert_one_line_error(bad_duration, 2)
+    assert "30d, 12h, 5min, 90m or 45s" in assert_one_line_error(bad_duration, 2)
 
     no_url = cli("status", DATABASE_URL="")
     assert "DATABASE_URL" in assert_one_line_error(no_url, 2)

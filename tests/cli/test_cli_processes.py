@@ -139,3 +139,42 @@ def test_a_worker_process_killed_by_sigkill_is_restarted_and_every_job_runs_once
     assert killed_job in by_survivors
     # The summary counts what the processes reported: not what the killed one had finished.
     assert int(summary[1]) == len(done) - len(set(jobs) - by_survivors)
+
+
+#: A handler module whose import takes long: its process has not installed its signal
+#: handlers (nor started its worker) while the import goes on.
+SLOW_START = """\
+import os
+import time
+
+open(f"importing.{os.getpid()}", "w").close()
+time.sleep(60)
+from tasks import handlers
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_a_signal_while_a_worker_process_is_still_starting_is_a_clean_stop(
+    supervisors: list[subprocess.Popen[str]], tmp_path: Path, signum: signal.Signals
+) -> None:
+    """The process, killed (or interrupted) by the forwarded signal before it installed its
+    handlers, ran nothing: the supervisor exits 0, not 1."""
+    write_tasks(tmp_path)
+    (tmp_path / "slow_start.py").write_text(SLOW_START)
+    with (tmp_path / "stderr.log").open("w") as log:
+        process = subprocess.Popen(
+            [CLI, "worker", "slow_start:handlers", "--processes", "2", "--burst"],
+            cwd=tmp_path,
+            env={"PATH": "/usr/bin:/bin", "DATABASE_URL": f"sqlite:///{tmp_path}/app.db",
+                 **PACKAGE_ENV},
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            text=True,
+        )  # fmt: skip
+    supervisors.append(process)
+    wait_until(lambda: list(tmp_path.glob("importing.*")), "a worker process to start", 60)
+
+    process.send_signal(signum)
+
+    assert process.wait(timeout=30) == 0, stderr(tmp_path)
+    assert "2 worker processes stopped: 0 succeeded" in stderr(tmp_path)

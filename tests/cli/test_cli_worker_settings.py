@@ -199,20 +199,25 @@ def test_a_queue_that_never_held_a_job_is_warned_about(
     database: Database, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A burst worker and ``pause`` naming a queue with no job, archived job or pause warn
-    on standard error and keep their status (through the script); a queue known by any of
-    those three does not warn (through the same ``main``, in this process)."""
+    on standard error and keep their status (through the script), once other queues have
+    held jobs; a queue known by any of those three does not warn (through the same
+    ``main``, in this process); nor does any queue of a fresh database that never held a
+    job (a first deployment's queues)."""
     url = url_of(database)
     write_tasks(tmp_path)
     engine = database.engine()
+    fresh = burst(url, tmp_path, "--queue", "emails", "--queue", "reports")
+    assert fresh.returncode == 0 and WARNING not in fresh.stderr, fresh.stderr
+
+    with engine.begin() as conn:
+        sp.enqueue(conn, "ok", None, queue="reports")
+        sp.enqueue(conn, "ok", None, queue="digests")
     misspelled = burst(url, tmp_path, "--queue", "emials")
     assert misspelled.returncode == 0, misspelled.stderr
     assert f"worker: warning: queue 'emials' {WARNING}" in misspelled.stderr
     paused = cli("pause", "emails", "--url", url)
     assert paused.returncode == 0 and f"pause: warning: queue 'emails' {WARNING}" in paused.stderr
 
-    with engine.begin() as conn:
-        sp.enqueue(conn, "ok", None, queue="reports")
-        sp.enqueue(conn, "ok", None, queue="digests")
     assert sp.process_next_job(engine, lambda job_type, payload: None, queue="digests")
     capsys.readouterr()
     # Known by its pause row, a queued job, an archived job; then a resumed (forgotten) pause.
