@@ -249,7 +249,8 @@ def run_page(
     env.update(
         DATABASE_URL=f"sqlite:///{workdir / 'app.db'}",
         PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}",
-        PYTHONPATH=str(workdir),
+        # The page's folder, then the package under test (a checkout's, when it is on the path).
+        PYTHONPATH=os.pathsep.join(filter(None, [str(workdir), env.get("PYTHONPATH")])),
         PYTHONDONTWRITEBYTECODE="1",
     )
     env.pop("PYTEST_ADDOPTS", None)

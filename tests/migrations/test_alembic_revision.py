@@ -120,7 +120,9 @@ def test_revision_on_the_projects_head_keeps_plain_upgrade_head_and_autogenerate
     [own] = heads(root)
 
     printed = cli(capsys, "alembic-revision", str(root / "alembic.ini"))
-    [written] = [path for path in (root / "migrations" / "versions").glob("*.py") if own not in path.name]
+    [written] = [
+        path for path in (root / "migrations" / "versions").glob("*.py") if own not in path.name
+    ]
     assert printed == f"wrote {written}: run `alembic upgrade head`\n"
     script = ScriptDirectory.from_config(Config(str(root / "alembic.ini")))
     [head] = script.get_heads()
