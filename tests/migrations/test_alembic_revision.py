@@ -282,3 +282,25 @@ def test_every_library_revision_has_its_helpers_in_order() -> None:
     for _, ups, downs in spm.REVISION_HELPERS:
         for name in (*ups, *downs):
             assert name in spm.__all__ and callable(getattr(spm, name)), name
+
+
+def test_install_on_a_projects_history_without_the_current_tables_points_at_the_command(
+    tmp_path: Path,
+) -> None:
+    """A database whose alembic_version holds a project's revision and whose library tables
+    are missing or older than the package: install refuses, changing nothing, and names
+    `alembic-revision`; once the tables have every column, it is up to date."""
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'app.db'}")
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL)")
+        conn.exec_driver_sql("INSERT INTO alembic_version VALUES ('app_0001')")
+    sp.metadata.tables["proletarian_job"].create(engine)
+    with pytest.raises(sp.ProletarianError, match=r"app_0001.*alembic-revision"):
+        install_tables(engine)
+    assert set(sa.inspect(engine).get_table_names()) == {"alembic_version", "proletarian_job"}
+
+    sp.metadata.create_all(engine)
+    assert install_tables(engine) == []
+    with engine.connect() as conn:
+        assert conn.scalar(sa.text("SELECT version_num FROM alembic_version")) == "app_0001"
+    engine.dispose()
