@@ -10,6 +10,7 @@ upgrade head`` and ``alembic revision --autogenerate`` keep working.
 from __future__ import annotations
 
 import ast
+import logging
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -19,6 +20,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from sqla_proletarian.errors import ConfigurationError
+from sqla_proletarian.logs import log_event
 from sqla_proletarian.migrations import REVISION_HELPERS
 
 if TYPE_CHECKING:
@@ -113,6 +115,13 @@ def write_revision(path: str | Path) -> Path | None:
     )
     target = folder / f"{revision}_sqla_proletarian_{missing[-1][0].removeprefix('sqlap_')}.py"
     target.write_text(text)
+    log_event(
+        logging.INFO,
+        "alembic-revision-written",
+        path=str(target),
+        down_revision=head,
+        applies=",".join(number for number, _, _ in missing),
+    )
     return target
 
 

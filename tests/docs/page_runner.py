@@ -124,7 +124,7 @@ def run_in_process(call: Call) -> subprocess.CompletedProcess[str]:
     previous = signal.signal(signal.SIGALRM, _alarm)
     signal.setitimer(signal.ITIMER_REAL, COMMAND_TIMEOUT)
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), logging_kept():
             try:
                 status = main(call.argv)
             except SystemExit as exc:  # --help, --version, a usage error
@@ -137,7 +137,6 @@ def run_in_process(call: Call) -> subprocess.CompletedProcess[str]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-        _release_streams(err)
         here = os.getcwd()
         for name in set(sys.modules) - before:
             path = getattr(sys.modules[name], "__file__", None) or ""
@@ -149,13 +148,22 @@ def run_in_process(call: Call) -> subprocess.CompletedProcess[str]:
     return subprocess.CompletedProcess(call.argv, status, out.getvalue(), err.getvalue())
 
 
-def _release_streams(captured: io.StringIO) -> None:
-    """Point log handlers that the command set up on the captured stderr back at stderr."""
+@contextlib.contextmanager
+def logging_kept() -> Any:
+    """Undo what the command line does to logging (a handler on stderr, the library's
+    level), so the page's later blocks log as they would without it."""
     import logging
 
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.StreamHandler) and handler.stream is captured:
-            handler.setStream(sys.stderr)
+    root, library = logging.getLogger(), logging.getLogger("sqla_proletarian")
+    handlers, levels = list(root.handlers), (root.level, library.level)
+    try:
+        yield
+    finally:
+        for handler in root.handlers[:]:
+            if handler not in handlers:
+                root.removeHandler(handler)
+        root.setLevel(levels[0])
+        library.setLevel(levels[1])
 
 
 def run_command(command: str, options: list[str]) -> subprocess.CompletedProcess[str]:
