@@ -52,9 +52,16 @@ lint: venv
 
 # The documentation site (mkdocs.yml) into site/, which is not committed: --strict fails on a
 # broken link or anchor, a page missing from the nav, and a public name the generated API
-# reference leaves out (scripts/mkdocs_hooks.py).
-docs: venv
-	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+# reference leaves out (scripts/mkdocs_hooks.py). It builds in a venv of its own, with only
+# the package and its docs extra (not the whole dev toolchain of .venv).
+VENV_DOCS := .venv-docs
+docs: $(VENV_DOCS)/.installed.stamp
+	NO_MKDOCS_2_WARNING=1 $(VENV_DOCS)/bin/mkdocs build --strict --quiet
+
+$(VENV_DOCS)/.installed.stamp: pyproject.toml
+	test -x $(VENV_DOCS)/bin/python || $(PYTHON) -m venv $(VENV_DOCS)
+	$(VENV_DOCS)/bin/pip install -q --disable-pip-version-check -e '.[docs]'
+	touch $@
 
 # The sdist and wheel into dist/, checked as a user gets them (scripts/check_dist.sh): twine's
 # metadata check, the migrations, templates, static files and py.typed in the wheel, the
@@ -186,5 +193,5 @@ examples.db.recreate: examples.db.uninstall
 	$(MAKE) examples.db.install
 
 clean:
-	rm -rf $(VENV) $(VENV_SQLA_OLDEST) build dist site *.egg-info .mypy_cache .ruff_cache .pytest_cache .tox .hypothesis
+	rm -rf $(VENV) $(VENV_SQLA_OLDEST) $(VENV_DOCS) build dist site *.egg-info .mypy_cache .ruff_cache .pytest_cache .tox .hypothesis
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -5,6 +5,11 @@ Run it on SQLite (no server) in two terminals::
     flask --app examples/flask_sqlalchemy_app.py run          # the web app, port 5000
     flask --app examples/flask_sqlalchemy_app.py run-jobs     # its worker, until Ctrl-C
 
+or, for the worker, the library's command-line worker (its flags, ``--processes``, exit
+statuses), with each job inside the app's context::
+
+    cd examples && sqla-proletarian worker 'flask_sqlalchemy_app:create_handlers()'
+
 then::
 
     curl -X POST localhost:5000/orders -H 'content-type: application/json' -d '{"item": "tea"}'
@@ -25,7 +30,10 @@ What is particular to Flask-SQLAlchemy:
   (docs/howto/alembic.md) or ``sp.metadata.create_all(db.engine)``;
 * the worker takes ``db.engine`` (inside an app context) and opens its own connections;
   handlers write through ``job.session``, a plain Session in the job's own transaction, with
-  the same ``db.Model`` classes.
+  the same ``db.Model`` classes;
+* a worker's threads run outside Flask's application context, whichever worker it is:
+  ``create_handlers()`` gives the command-line worker a handler that runs each job inside
+  ``app.app_context()``, so handlers may use ``current_app`` and the app's extensions.
 """
 
 from __future__ import annotations
@@ -33,18 +41,17 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 import sqlalchemy as sa
-from flask import Flask, abort, jsonify, request
+from flask import Flask, abort, current_app, jsonify, request
 from flask_sqlalchemy import SQLAlchemy
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 import sqla_proletarian as sp
-
-log = logging.getLogger("flask_sqlalchemy_app")
 
 
 class Base(DeclarativeBase):
@@ -69,8 +76,9 @@ handlers = sp.JobHandlers()
 
 @handlers.register("confirm-order")
 def confirm_order(job: sp.JobContext) -> None:
-    """Send the confirmation (here: log it), and mark the order in the job's transaction."""
-    log.info("confirming order %s (job %s)", job.payload["order_id"], job.job_id)
+    """Send the confirmation (here: log it, through the app's logger), and mark the order in
+    the job's transaction."""
+    current_app.logger.info("confirming order %s (job %s)", job.payload["order_id"], job.job_id)
     order = job.session.get(Order, job.payload["order_id"])
     if order is not None:
         order.confirmed = True  # commits with the job's archive row, or not at all
@@ -81,7 +89,25 @@ def retry_strategy(job: sp.JobContext, exc: Exception) -> sp.RetryStrategy:
     return sp.RetryStrategy(retries=3, delays=[1, 10, 60])
 
 
-WORKER_OPTIONS: dict[str, Any] = {"handler_mode": "advanced", "retry_strategy": retry_strategy}
+#: The create_queue_worker options, which the command-line worker reads from the module.
+worker_options: dict[str, Any] = {"handler_mode": "advanced", "retry_strategy": retry_strategy}
+
+
+def in_app_context(app: Flask) -> Callable[[sp.JobContext], None]:
+    """The handlers, each job run inside ``app``'s context: a worker's threads run outside
+    any, and ``current_app`` and the app's extensions need one."""
+
+    def run(job: sp.JobContext) -> None:
+        with app.app_context():
+            handlers(job)
+
+    return run
+
+
+def create_handlers() -> Callable[[sp.JobContext], None]:
+    """The command-line worker's handler (``worker 'flask_sqlalchemy_app:create_handlers()'``):
+    the app, built once when the worker starts, around every job."""
+    return in_app_context(create_app())
 
 
 def place_order(item: object) -> tuple[Order, Any]:
@@ -143,12 +169,12 @@ def create_app(database_url: str | None = None) -> Flask:
         with --until-empty the jobs that are due, one by one."""
         if until_empty:
             ran = 0
-            while sp.process_next_job(db.engine, handlers, **WORKER_OPTIONS):
+            while sp.process_next_job(db.engine, in_app_context(app), **worker_options):
                 ran += 1
             click.echo(f"ran {ran} job(s)")
             return
         worker = sp.create_queue_worker(
-            db.engine, handlers, install_signal_handlers=True, **WORKER_OPTIONS
+            db.engine, in_app_context(app), install_signal_handlers=True, **worker_options
         )
         worker.start()
         click.echo(f"{worker.worker_id} started; stop it with Ctrl-C or SIGTERM", err=True)

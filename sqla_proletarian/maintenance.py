@@ -356,6 +356,8 @@ def install_tables(engine: Engine) -> list[str]:
     library is upgraded. Refused, with nothing changed: revisions of another project in
     ``alembic_version`` (install through that project), a library revision newer than this
     package, and tables that exist with no revision recorded (``metadata.create_all``).
+    Tables that a project's own history made (``sqla-proletarian alembic-revision``) and
+    that have every column of this version are up to date: nothing is applied.
     """
     from alembic.config import Config
     from alembic.migration import MigrationContext
@@ -386,11 +388,12 @@ def install_tables(engine: Engine) -> list[str]:
     with engine.begin() as conn:
         heads = set(MigrationContext.configure(conn).get_current_heads())
         known = {revision.revision for revision in script.walk_revisions()}
-        _check_installable(conn, heads, known, migrations.HEAD_REVISION)
-        with EnvironmentContext(config, script, fn=upgrade) as environment:
-            environment.configure(connection=conn, on_version_apply=on_version_apply)
-            with environment.begin_transaction():
-                environment.run_migrations()
+        # False: the project's own history made the tables as this version has them.
+        if _check_installable(conn, heads, known, migrations.HEAD_REVISION):
+            with EnvironmentContext(config, script, fn=upgrade) as environment:
+                environment.configure(connection=conn, on_version_apply=on_version_apply)
+                with environment.begin_transaction():
+                    environment.run_migrations()
     log_event(
         logging.INFO,
         "tables-installed",
@@ -400,8 +403,11 @@ def install_tables(engine: Engine) -> list[str]:
     return applied
 
 
-def _check_installable(conn: Connection, heads: set[str], known: set[str], newest: str) -> None:
-    """Refuse databases whose Alembic history is not the library's alone."""
+def _check_installable(conn: Connection, heads: set[str], known: set[str], newest: str) -> bool:
+    """Refuse databases whose Alembic history is not the library's alone; False when the
+    project's own history made the library's tables as they are now (nothing to do)."""
+    from sqla_proletarian.migrations.revision import tables_are_current
+
     foreign = sorted(heads - known)
     newer = [revision for revision in foreign if revision.startswith("sqlap_")]
     if newer:
@@ -409,12 +415,14 @@ def _check_installable(conn: Connection, heads: set[str], known: set[str], newes
             f"the database is at sqla-proletarian revision {newer[0]}, which this version of "
             f"the package does not know (its newest is {newest}): upgrade the package"
         )
+    if foreign and not heads & known and tables_are_current(conn):
+        return False
     if foreign:
         raise ProletarianError(
             f"this database's alembic_version holds revisions of another Alembic project "
-            f"({', '.join(foreign)}): install the library's tables through that project: add "
-            "sqla_proletarian.migrations:versions to its version_locations and run "
-            "`alembic upgrade heads`"
+            f"({', '.join(foreign)}): install the library's tables through that project: "
+            "`sqla-proletarian alembic-revision PATH/TO/alembic.ini` writes the revision "
+            "that makes them, then run `alembic upgrade head`"
         )
     if not heads & known and inspect(conn).has_table(JOB_TABLE):
         raise ProletarianError(
@@ -423,3 +431,4 @@ def _check_installable(conn: Connection, heads: set[str], known: set[str], newes
             "migrations, or, if they match this version, record them with `alembic stamp "
             "sqla_proletarian@head` from a project that lists the library's version location"
         )
+    return True

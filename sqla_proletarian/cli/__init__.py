@@ -33,7 +33,7 @@ from sqla_proletarian.cli.common import (
 from sqla_proletarian.cli.control import CANCEL, ENQUEUE, PAUSE, RESUME
 from sqla_proletarian.cli.dashboard import DASHBOARD
 from sqla_proletarian.cli.inspection import FAILED, JOBS, PRUNE, RETRY_FAILED, STATUS
-from sqla_proletarian.cli.schema import INSTALL
+from sqla_proletarian.cli.schema import ALEMBIC_REVISION, INSTALL
 from sqla_proletarian.cli.worker import WORKER, load_handler, load_periodic_jobs
 from sqla_proletarian.errors import ConfigurationError, InvalidJobError
 
@@ -49,6 +49,7 @@ __all__ = [
 
 COMMANDS: tuple[Command, ...] = (
     INSTALL,
+    ALEMBIC_REVISION,
     WORKER,
     ENQUEUE,
     STATUS,

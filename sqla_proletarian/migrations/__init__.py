@@ -1,9 +1,10 @@
 """The library's schema as Alembic migrations, and helpers for a single-head history.
 
-Two ways in. Add :data:`VERSION_LOCATION` (or ``sqla_proletarian.migrations:versions``) to your
-``version_locations`` and run ``alembic upgrade heads``: the revisions sit on their own branch,
-labelled :data:`BRANCH_LABEL`. Or keep one head: call :func:`create_tables` from the
-``upgrade()`` of a revision of your own and :func:`drop_tables` from its ``downgrade()``.
+Two ways in. Keep one head: ``sqla-proletarian alembic-revision PATH`` writes a revision of
+your own project that calls the helpers below (:data:`REVISION_HELPERS`), on its head (or call
+them from a revision you write yourself). Or add :data:`VERSION_LOCATION` (or
+``sqla_proletarian.migrations:versions``) to your ``version_locations`` and run ``alembic
+upgrade heads``: the revisions sit on their own branch, labelled :data:`BRANCH_LABEL`.
 
 The DDL below is frozen: each helper is the schema change of one revision and never follows
 later edits of the models. A release that changes the schema adds a revision and a helper for
@@ -31,6 +32,7 @@ __all__ = [
     "BRANCH_LABEL",
     "HEAD_REVISION",
     "INITIAL_REVISION",
+    "REVISION_HELPERS",
     "VERSION_LOCATION",
     "add_archived_unique_key",
     "add_enqueue_notifications",
@@ -62,6 +64,22 @@ INITIAL_REVISION = "sqlap_0001"
 
 #: The newest revision of the library's branch.
 HEAD_REVISION = "sqlap_0007"
+
+#: Each library revision, oldest first, with the helpers that make its schema change (called
+#: in this order from ``upgrade()``) and those that undo it (from ``downgrade()``): what
+#: ``sqla-proletarian alembic-revision`` writes into a single-head project's own revision.
+REVISION_HELPERS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
+    ("sqlap_0001", ("create_tables",), ("drop_tables",)),
+    (
+        "sqlap_0002",
+        ("add_run_owners", "add_enqueue_notifications"),
+        ("drop_enqueue_notifications", "drop_run_owners"),
+    ),
+    ("sqlap_0003", ("add_trace_context",), ("drop_trace_context",)),
+    ("sqlap_0004", ("add_job_control",), ("drop_job_control",)),
+    ("sqlap_0005", ("add_archived_unique_key",), ("drop_archived_unique_key",)),
+    ("sqlap_0006", ("add_leases",), ("drop_leases",)),
+)
 
 # Table names are spelled out (not imported from the models) so the revision stays as written.
 _JOB = "proletarian_job"

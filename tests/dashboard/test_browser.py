@@ -23,9 +23,10 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from dashboard_support import archive, serving
+from dashboard_support import archive, lease, serving
 
 import sqla_proletarian as sp
+from sqla_proletarian import statements
 from sqla_proletarian.dashboard import actions, create_dashboard
 
 webdriver = pytest.importorskip("selenium.webdriver")
@@ -381,3 +382,57 @@ def test_pausing_a_queue_stops_a_worker_claiming_from_it_until_resumed(
         dashboard.wait_for(lambda driver: waiting in ran, what="the job to run once resumed")
     finally:
         worker.stop()
+
+
+#: A lease owner as long as real ones get: a worker of several queues in a pod of a
+#: Kubernetes deployment, with its process and thread.
+LONG_OWNER = (
+    "proletarian[critical,default,bulk,reports,exports]@checkout-worker-7f9c8d6b5-x2x9q"
+    ".prod.eu-west-1.internal:4242/Thread-3"
+)
+
+
+@needs_job_control
+def test_the_running_jobs_cancel_button_is_in_view_in_a_1280_pixel_window(
+    dashboard: Page, engine: sa.Engine
+) -> None:
+    """The running list of lease-mode jobs (owner, lease expiry, heartbeat) in a 1280 px
+    window: the page does not scroll sideways, and each Cancel button lies inside the
+    window, whatever the lease owner's length."""
+    now = sp.utc_now()
+    with engine.begin() as conn:
+        ids = [sp.enqueue(conn, "generate-quarterly-report", {"n": n}) for n in range(3)]
+    for job_id in ids:
+        lease(engine, job_id, expires_in=600, now=now)
+    with engine.begin() as conn:
+        conn.execute(sa.update(statements.JOB).values(lease_owner=LONG_OWNER))
+    dashboard.driver.set_window_size(1280, 800)
+    dashboard.open("/jobs?state=running")
+    dashboard.wait_for(
+        lambda _: len(dashboard.texts("#jobs tbody button")) == len(ids),
+        what="a Cancel button for each running job",
+    )
+    owners = ["".join(text.split()) for text in dashboard.texts("#jobs .lease-owner")]
+    assert owners == [LONG_OWNER] * len(ids)
+    geometry = dashboard.driver.execute_script(
+        """
+        const buttons = Array.from(document.querySelectorAll('#jobs tbody button'));
+        return {
+          width: document.documentElement.clientWidth,
+          pageWidth: document.documentElement.scrollWidth,
+          buttons: buttons.map(b => {
+            const box = b.getBoundingClientRect();
+            const x = box.left + box.width / 2, y = box.top + box.height / 2;
+            const hit = document.elementFromPoint(x, y);
+            return {left: box.left, right: box.right, onTop: b.contains(hit)};
+          }),
+        };
+        """
+    )
+    dashboard.screenshot("running-leases")
+    assert geometry["width"] <= 1280
+    assert geometry["pageWidth"] <= geometry["width"], geometry
+    assert len(geometry["buttons"]) == len(ids), geometry
+    for button in geometry["buttons"]:
+        assert button["left"] >= 0 and button["right"] <= geometry["width"], geometry
+        assert button["onTop"], geometry  # not covered by another cell

@@ -5,7 +5,10 @@ blocks as ``test_docs.py`` parsed them; every ``python`` block is executed in on
 (compiled under the page's name and real line numbers, so a traceback points into the page),
 every command of a ``console`` block is run with bash (a ``bash``/``sh`` block as one script,
 with ``bash -e``; under ``<!-- output checked -->`` what each command prints is compared with
-the page), the commands of a block marked ``<!-- not run: WHY -->`` are only checked with
+the page), but a plain ``sqla-proletarian ARGS`` command (no shell syntax) runs in this
+interpreter through the command line's ``main()``, as the console script would run it, which
+spares the page an interpreter start and the package's import for each such command; the
+commands of a block marked ``<!-- not run: WHY -->`` are only checked with
 ``bash -n``, and every block marked ``<!-- file: NAME -->`` is written to ``NAME`` and
 checked by parsing. The first failure is
 written to ``RESULT.json`` (its line, and what went wrong) and ends the run.
@@ -15,8 +18,13 @@ from __future__ import annotations
 
 import builtins
 import configparser
+import contextlib
+import io
 import json
 import os
+import re
+import shlex
+import signal
 import subprocess
 import sys
 import tomllib
@@ -24,10 +32,23 @@ import traceback
 import types
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-#: Seconds one console command may take.
-COMMAND_TIMEOUT = 60
+#: Seconds one console command may take (test_docs.py scales it for the machine's load).
+COMMAND_TIMEOUT = float(os.environ.get("SP_PAGE_COMMAND_TIMEOUT", "60"))
+
+#: What makes a command more than a plain program call, outside quotes: bash runs those.
+SHELL_SYNTAX = re.compile(r"[|&;<>()$`\\*?\[\]{}~\n]")
+#: A quoted word: single quotes keep everything; double quotes expand ``$``, backquotes, ``\``.
+QUOTED = re.compile(r"'[^']*'|\"[^\"$`\\]*\"")
+
+#: Commands that run until stopped (``dashboard``): never run in this interpreter.
+LONG_RUNNING = {"dashboard"}
+
+#: The pages' way to show a failing command's exit status, which this interpreter can print.
+SHOW_STATUS = ' || echo "exit status $?"'
+#: ``NAME=value`` before the command: the command's own environment.
+ASSIGNMENT = re.compile(r"[A-Za-z_]\w*=")
 
 
 class BlockFailed(Exception):
@@ -53,6 +74,113 @@ def check_file(path: Path, language: str, text: str) -> None:
             raise BlockFailed(f"bash -n {path.name}:\n{done.stderr}")
 
 
+class Call(NamedTuple):
+    """A plain ``sqla-proletarian`` command: its arguments, its own environment variables,
+    and whether a failure's status is printed (``|| echo "exit status $?"``)."""
+
+    argv: list[str]
+    env: dict[str, str]
+    show_status: bool
+
+
+def in_process_call(command: str) -> Call | None:
+    """A plain ``[NAME=value ...] sqla-proletarian ARGS [|| echo "exit status $?"]``
+    command, or None for what bash runs."""
+    show_status = command.endswith(SHOW_STATUS)
+    command = command.removesuffix(SHOW_STATUS)
+    if SHELL_SYNTAX.search(QUOTED.sub("''", command)):
+        return None
+    try:
+        words = shlex.split(command)
+    except ValueError:
+        return None
+    env = {}
+    while words and ASSIGNMENT.match(words[0]):
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
+    if not words or words[0] != "sqla-proletarian" or LONG_RUNNING & set(words[1:]):
+        return None
+    return Call(words[1:], env, show_status)
+
+
+class CommandTimeout(Exception):
+    """A command run in this interpreter did not finish in time."""
+
+
+def _alarm(signum: int, frame: object) -> None:
+    raise CommandTimeout
+
+
+def run_in_process(call: Call) -> subprocess.CompletedProcess[str]:
+    """Run the command line's ``main(argv)`` here, capturing what it prints, with the
+    package's modules loaded once; modules of the page's folder are imported afresh by the
+    next command, as a new interpreter would."""
+    from sqla_proletarian.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    before = set(sys.modules)
+    saved = {name: os.environ.get(name) for name in call.env}
+    os.environ.update(call.env)
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.setitimer(signal.ITIMER_REAL, COMMAND_TIMEOUT)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), logging_kept():
+            try:
+                status = main(call.argv)
+            except SystemExit as exc:  # --help, --version, a usage error
+                status = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        here = os.getcwd()
+        for name in set(sys.modules) - before:
+            path = getattr(sys.modules[name], "__file__", None) or ""
+            if path.startswith(here + os.sep):
+                del sys.modules[name]
+    if status and call.show_status:
+        out.write(f"exit status {status}\n")
+        status = 0
+    return subprocess.CompletedProcess(call.argv, status, out.getvalue(), err.getvalue())
+
+
+@contextlib.contextmanager
+def logging_kept() -> Any:
+    """Undo what the command line does to logging (a handler on stderr, the library's
+    level), so the page's later blocks log as they would without it."""
+    import logging
+
+    root, library = logging.getLogger(), logging.getLogger("sqla_proletarian")
+    handlers, levels = list(root.handlers), (root.level, library.level)
+    try:
+        yield
+    finally:
+        for handler in root.handlers[:]:
+            if handler not in handlers:
+                root.removeHandler(handler)
+        root.setLevel(levels[0])
+        library.setLevel(levels[1])
+
+
+def run_command(command: str, options: list[str]) -> subprocess.CompletedProcess[str]:
+    """Run one command: in this interpreter when it is a plain ``sqla-proletarian`` call that
+    runs (not only parsed), else with bash."""
+    call = None if options == ["-n"] else in_process_call(command)
+    if call is not None:
+        return run_in_process(call)
+    return subprocess.run(
+        ["bash", *options, "-c", command],
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT,
+        stdin=subprocess.DEVNULL,
+    )
+
+
 def run_shell(block: dict[str, Any]) -> None:
     """Run the block's commands with bash, one shell each, or only parse them (``bash -n``)
     when the page marks the block as not runnable; compare their output when it is checked."""
@@ -60,17 +188,15 @@ def run_shell(block: dict[str, Any]) -> None:
     outputs = block["outputs"] or [None] * len(block["commands"])
     for (line_no, command), expected in zip(block["commands"], outputs, strict=True):
         try:
-            done = subprocess.run(
-                ["bash", *options, "-c", command],
-                capture_output=True,
-                text=True,
-                timeout=COMMAND_TIMEOUT,
-                stdin=subprocess.DEVNULL,
-            )
+            done = run_command(command, options)
         except subprocess.TimeoutExpired as exc:
             raise BlockFailed(
-                f"line {line_no}: `{command}` did not finish within {COMMAND_TIMEOUT} s\n"
+                f"line {line_no}: `{command}` did not finish within {COMMAND_TIMEOUT:g} s\n"
                 f"{exc.stdout or ''}{exc.stderr or ''}"
+            ) from None
+        except CommandTimeout:
+            raise BlockFailed(
+                f"line {line_no}: `{command}` did not finish within {COMMAND_TIMEOUT:g} s"
             ) from None
         if done.returncode and block["not_run"]:
             raise BlockFailed(f"line {line_no}: `{command}` is not valid bash\n{done.stderr}")

@@ -8,7 +8,9 @@ The convention (what a page may contain):
   ``sqlite:///<tmp>/app.db``.
 - A ```` ```console ```` block: each line starting with ``$ `` is run with bash in that
   directory (the venv's ``bin`` first on ``PATH``, the directory on ``PYTHONPATH``) and must
-  exit 0 within 60 s (a line ending in ``\\`` continues on the next); other lines are sample
+  exit 0 within 60 s (a plain ``sqla-proletarian ARGS`` command, without shell syntax, runs
+  in the page's own interpreter through the command line's ``main()``, as its console
+  script would) (a line ending in ``\\`` continues on the next); other lines are sample
   output and are not compared. A console block without any ``$ `` line is all commands (each
   line but blank ones and ``#`` comments).
 - A ```` ```bash ````, ```` ```sh ```` or ```` ```shell ```` block is one script, run with
@@ -30,6 +32,7 @@ tour's example (tests/integration/test_examples.py runs it), and its other block
 
 Each page runs in a subprocess of its own (``page_runner.py``), so pages cannot see each
 other's modules, engines or threads. A failure names the page and the line of the block.
+The time limits (``PAGE_TIMEOUT``, ``COMMAND_TIMEOUT``) grow with the machine's load.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -50,8 +54,12 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 RUNNER = Path(__file__).with_name("page_runner.py")
 VENV_BIN = Path(sys.executable).parent
-#: Seconds a whole page may take (its console commands have 60 s each).
+#: Seconds a whole page may take on an idle machine (its console commands have 60 s each);
+#: both limits grow with the machine's load (``load_factor``).
 PAGE_TIMEOUT = 110
+COMMAND_TIMEOUT = 60
+#: The most the limits grow: a page that needs more is stuck, not slow.
+MAX_LOAD_FACTOR = 5.0
 
 FENCE = re.compile(r"^(?P<indent> {0,12})(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`]*)$")
 FILE_MARKER = re.compile(r"^\s*<!--\s*file:\s*(?P<name>\S+)\s*-->\s*$")
@@ -233,6 +241,35 @@ def display_name(path: Path) -> str:
         return str(path)
 
 
+def load_factor() -> float:
+    """How many times slower than on an idle machine a page may run now: the runnable
+    processes per core (the 1-minute load average), at least 1, at most MAX_LOAD_FACTOR."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # pragma: no cover - not on Linux or macOS
+        return 1.0
+    return min(MAX_LOAD_FACTOR, max(1.0, load / (os.cpu_count() or 1)))
+
+
+def communicate_scaled(
+    process: subprocess.Popen[str], timeout: float
+) -> tuple[str, str, float | None]:
+    """Wait for ``process`` to end within ``timeout`` seconds times the highest load factor
+    seen meanwhile: its stdout, its stderr, and None; or, when it is still running then, it
+    is killed and the limit it was given comes last."""
+    start, factor = time.monotonic(), load_factor()
+    while True:
+        try:
+            stdout, stderr = process.communicate(timeout=1)
+            return stdout, stderr, None
+        except subprocess.TimeoutExpired:
+            factor = max(factor, load_factor())
+            if time.monotonic() - start > timeout * factor:
+                process.kill()
+                stdout, stderr = process.communicate()
+                return stdout, stderr, timeout * factor
+
+
 def run_page(
     path: Path, workdir: Path, text: str | None = None, *, shell_only: bool = False
 ) -> None:
@@ -249,33 +286,35 @@ def run_page(
     env.update(
         DATABASE_URL=f"sqlite:///{workdir / 'app.db'}",
         PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}",
-        PYTHONPATH=str(workdir),
+        # The page's folder, then the package under test (a checkout's, when it is on the path).
+        PYTHONPATH=os.pathsep.join(filter(None, [str(workdir), env.get("PYTHONPATH")])),
         PYTHONDONTWRITEBYTECODE="1",
+        SP_PAGE_COMMAND_TIMEOUT=f"{COMMAND_TIMEOUT * load_factor():.0f}",
     )
     env.pop("PYTEST_ADDOPTS", None)
-    try:
-        done = subprocess.run(
-            [sys.executable, str(RUNNER), str(spec), str(result)],
-            cwd=workdir,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=PAGE_TIMEOUT,
-            stdin=subprocess.DEVNULL,
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{name}: the page did not finish within {PAGE_TIMEOUT} s\n{exc.stderr}")
+    with subprocess.Popen(
+        [sys.executable, str(RUNNER), str(spec), str(result)],
+        cwd=workdir,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    ) as process:
+        stdout, stderr, limit = communicate_scaled(process, PAGE_TIMEOUT)
+    if limit is not None:
+        pytest.fail(f"{name}: the page did not finish within {limit:.0f} s\n{stderr}")
     if not result.exists():
         pytest.fail(
-            f"{name}: the page's runner died (exit {done.returncode})\n"
-            f"--- stdout\n{done.stdout}--- stderr\n{done.stderr}",
+            f"{name}: the page's runner died (exit {process.returncode})\n"
+            f"--- stdout\n{stdout}--- stderr\n{stderr}",
             pytrace=False,
         )
     failure = json.loads(result.read_text())["failure"]
     if failure is not None:
         pytest.fail(
             f"{name}:{failure['line']}: the ```{failure['language']} block failed\n"
-            f"{failure['error']}\n--- the page's output\n{done.stdout}{done.stderr}",
+            f"{failure['error']}\n--- the page's output\n{stdout}{stderr}",
             pytrace=False,
         )
 
@@ -343,6 +382,22 @@ def test_runner_failure_names_page_and_line(tmp_path: Path) -> None:
             ":2: the ```console",
             "syntax error",
         ),
+        # In the page's interpreter: a failing command's status and error; a wrong output.
+        "```console\n$ sqla-proletarian status --url sqlite:///no/such/dir/x.db\n```\n": (
+            ":1: the ```console",
+            "exited with 1\n--- stdout\n--- stderr\nsqla-proletarian status: error:",
+        ),
+        "<!-- output checked -->\n```console\n"
+        '$ sqla-proletarian pause || echo "exit status $?"\nexit status 9\n```\n': (
+            "--- the page\nexit status 9\n--- printed\nexit status 2",
+            ":2: the ```console",
+        ),
+        "<!-- output checked -->\n```console\n"
+        "$ sqla-proletarian --version\nsqla-proletarian 9\n```\n": (
+            f"printed what the page does not show\n--- the page\nsqla-proletarian 9\n"
+            f"--- printed\nsqla-proletarian {sp.__version__}",
+            ":2: the ```console",
+        ),
     }
     for text, (where, why) in cases.items():
         workdir = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
@@ -388,3 +443,27 @@ def test_links_between_pages_resolve() -> None:
             ):
                 broken.append(f"{where}: no heading #{anchor} there")
     assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_runner_runs_plain_commands_in_its_own_interpreter() -> None:
+    """A plain ``sqla-proletarian ARGS`` command (with its own environment variables, and
+    the pages' ``|| echo "exit status $?"``) runs through ``main()`` in the page's
+    interpreter; a command with shell syntax outside quotes, or one that runs until
+    stopped, goes to bash."""
+    from page_runner import Call, in_process_call
+
+    assert in_process_call('sqla-proletarian enqueue a \'{"b": [1, "$x"]}\' --in 5m') == Call(
+        ["enqueue", "a", '{"b": [1, "$x"]}', "--in", "5m"], {}, False
+    )
+    assert in_process_call(
+        "U=sqlite:///b.db sqla-proletarian worker 'app:make()' --burst || echo \"exit status $?\""
+    ) == Call(["worker", "app:make()", "--burst"], {"U": "sqlite:///b.db"}, True)
+    for command in (
+        'sqla-proletarian worker t:h --burst || echo "failed"',
+        'sqla-proletarian cancel "$(sqla-proletarian enqueue x)"',
+        "cd shop && sqla-proletarian install",
+        "sqla-proletarian dashboard --port 8000",
+        "sqla-proletarian jobs > jobs.txt",
+        "alembic upgrade head",
+    ):
+        assert in_process_call(command) is None, command

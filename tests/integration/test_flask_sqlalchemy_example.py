@@ -1,11 +1,14 @@
 """examples/flask_sqlalchemy_app.py on every backend: ``db.session`` enqueues in the request's
 transaction (a request that commits leaves exactly one job, one that fails leaves none), and
-``db.engine`` runs the jobs, from ``flask run-jobs`` in-process or as a worker process."""
+``db.engine`` runs the jobs, from ``flask run-jobs`` in-process or as a worker process. The
+Flask how-to's own app (docs/howto/outbox-flask.md) and this example run their jobs under the
+command-line worker, inside the app's context."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,7 +28,9 @@ import sqla_proletarian as sp
 if TYPE_CHECKING:
     from conftest import Database
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "flask_sqlalchemy_app.py"
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "flask_sqlalchemy_app.py"
+HOWTO = ROOT / "docs" / "howto" / "outbox-flask.md"
 
 
 def load_example() -> ModuleType:
@@ -153,3 +158,85 @@ def test_run_jobs_worker_process_runs_jobs_until_sigterm(app: App, tmp_path: Pat
     with Session(app.engine) as session:
         order = session.scalars(sa.select(app.example.Order)).one()
         assert order.confirmed
+
+
+# --- under the command-line worker -----------------------------------------------------------
+
+
+def command_line_worker(
+    handler: str, cwd: Path, url: str, *args: str
+) -> subprocess.CompletedProcess[str]:
+    """``sqla-proletarian worker HANDLER ARGS`` run to its end in ``cwd`` (the handler's module
+    there), on ``url``."""
+    pythonpath = os.pathsep.join(filter(None, [str(cwd), os.environ.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-m", "sqla_proletarian", "worker", handler, *args],
+        cwd=cwd,
+        env={**os.environ, "DATABASE_URL": url, "PYTHONPATH": pythonpath},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def howto_app(directory: Path) -> ModuleType:
+    """The how-to's ``app.py``, written from the page to ``directory`` and imported (once)."""
+    found = re.search(r"<!-- file: app\.py -->\n```python\n(.*?)\n```\n", HOWTO.read_text(), re.S)
+    assert found, f"{HOWTO} has no app.py block"
+    (directory / "app.py").write_text(found[1] + "\n")
+    name = "sp_howto_flask_app"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, directory / "app.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def test_howto_app_runs_its_jobs_under_the_command_line_worker(
+    empty_database: Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The how-to's app.py, as the page writes it: a signup's job runs under
+    `sqla-proletarian worker 'app:create_handlers()' --burst`, whose handler uses
+    ``current_app`` (the app's context around each job); archived ``success`` at its first
+    attempt, and the user it marked is welcomed."""
+    url = empty_database.url.render_as_string(hide_password=False)
+    monkeypatch.setenv("DATABASE_URL", url)
+    howto = howto_app(tmp_path)
+    flask_app = howto.create_app()
+    engine: sa.Engine = flask_app.extensions["engine"]
+    try:
+        response = flask_app.test_client().post("/signup", json={"email": "ada@example.com"})
+        assert response.status_code == 201, response.get_data(as_text=True)
+
+        done = command_line_worker("app:create_handlers()", tmp_path, url, "--burst")
+        assert done.returncode == 0, done.stderr
+        assert "Working outside of application context" not in done.stderr
+        [job] = archived(engine)
+        assert (job.job_type, job.status, job.attempts) == ("send-welcome-email", "success", 1)
+        with Session(engine) as session:
+            assert session.scalars(sa.select(howto.User.welcomed)).all() == [True]
+    finally:
+        engine.dispose()
+
+
+def test_example_runs_its_jobs_under_the_command_line_worker_in_the_apps_context(
+    app: App,
+) -> None:
+    """`sqla-proletarian worker 'flask_sqlalchemy_app:create_handlers()' --burst` runs the
+    example's job (its handler logs through ``current_app``): archived ``success`` at its first
+    attempt, and the order confirmed."""
+    response = app.flask.test_client().post("/orders", json={"item": "tea"})
+    job_id = uuid.UUID(response.get_json()["job_id"])
+    done = command_line_worker(
+        "flask_sqlalchemy_app:create_handlers()", EXAMPLE.parent, app.url, "--burst"
+    )
+    assert done.returncode == 0, done.stderr
+    job = archived_job(app.engine, job_id)
+    assert job is not None and (job.status, job.attempts) == ("success", 1), done.stderr
+    assert app.flask.test_client().get(f"/orders/{response.get_json()['order_id']}").get_json() == {
+        "item": "tea",
+        "confirmed": True,
+    }
