@@ -79,6 +79,7 @@ REVISION_HELPERS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("sqlap_0004", ("add_job_control",), ("drop_job_control",)),
     ("sqlap_0005", ("add_archived_unique_key",), ("drop_archived_unique_key",)),
     ("sqlap_0006", ("add_leases",), ("drop_leases",)),
+    ("sqlap_0007", ("add_uncharged_runs",), ("drop_uncharged_runs",)),
 )
 
 # Table names are spelled out (not imported from the models) so the revision stays as written.

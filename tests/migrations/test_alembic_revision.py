@@ -221,7 +221,7 @@ def test_a_later_release_gets_a_revision_with_only_the_library_revisions_the_his
     tmp_path: Path,
 ) -> None:
     """A history whose own revision applies the library up to sqlap_0005 gets a revision on
-    its head that applies sqlap_0006 alone, and then nothing more."""
+    its head that applies the later ones (sqlap_0006 on), and then nothing more."""
     from sqla_proletarian.migrations.revision import write_revision
 
     folder = versions_folder(tmp_path, ("app_0001.py", FIRST), ("app_0002.py", HAND_WRITTEN))
@@ -230,8 +230,11 @@ def test_a_later_release_gets_a_revision_with_only_the_library_revisions_the_his
     text = written.read_text()
     assert 'down_revision = "app_0002"' in text
     body = text.split("def upgrade() -> None:\n", 1)[1]
-    assert body.split("\n\n\n")[0].strip().splitlines() == ["add_leases()  # sqlap_0006"]
-    assert "    drop_leases()\n" in text
+    assert [line.strip() for line in body.split("\n\n\n")[0].strip().splitlines()] == [
+        "add_leases()  # sqlap_0006",
+        "add_uncharged_runs()  # sqlap_0007",
+    ]
+    assert "    drop_uncharged_runs()\n    drop_leases()\n" in text
     script = ScriptDirectory(str(tmp_path), version_locations=[str(folder)])
     assert len(script.get_heads()) == 1
     assert write_revision(folder) is None
