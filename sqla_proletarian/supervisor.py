@@ -37,12 +37,12 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from sqla_proletarian import statements as sql
 from sqla_proletarian.dialects import dialect_of
 from sqla_proletarian.errors import is_transient
 from sqla_proletarian.exits import EXIT_JOBS_UNFINISHED, unfinished_text
 from sqla_proletarian.logs import log_event
 from sqla_proletarian.options import WorkerOptions
+from sqla_proletarian.running import is_due
 from sqla_proletarian.worker import QueueWorker, create_queue_worker
 
 __all__ = [
@@ -144,10 +144,7 @@ def any_due(engine: Engine, options: WorkerOptions) -> bool:
     try:
         with engine.connect() as conn:
             now, scan = options.clock(), dialect_of(conn).priority_scan
-            return any(
-                conn.execute(*sql.due_job(queue, now, scan)).first() is not None
-                for queue in options.queues
-            )
+            return any(is_due(conn, queue, now, scan) for queue in options.queues)
     except Exception as exc:
         if not is_transient(exc):
             raise
