@@ -191,7 +191,7 @@ class RunnerBase:
 
     def _read_each(self, conn: Connection, read: Callable[[str], T]) -> list[T]:
         """What one read per queue returned, in a transaction of their own on ``conn``."""
-        return read_in_turn(conn, lambda: [read(queue) for queue in self.settings.queues])
+        return read_apart(conn, lambda: [read(queue) for queue in self.settings.queues])
 
     def _commits(self, conn: Connection) -> int:
         """SQLite's count of other connections' commits to the file, as seen from ``conn``."""
@@ -341,12 +341,12 @@ def read_alone(conn: Connection, statement: sql.Statement) -> Any:
 
 def read_rows(conn: Connection, statements: Iterable[sql.Statement]) -> list[Any]:
     """The rows of some reads on the claim's connection, in one transaction of their own."""
-    return read_in_turn(
+    return read_apart(
         conn, lambda: [row for statement in statements for row in conn.execute(*statement)]
     )
 
 
-def read_in_turn(conn: Connection, read: Callable[[], T]) -> T:
+def read_apart(conn: Connection, read: Callable[[], T]) -> T:
     """What ``read`` returned, its reads made on the claim's connection in one transaction of
     their own."""
     try:
