@@ -619,12 +619,15 @@ def test_an_idle_poll_reads_no_scheduled_job_in_a_table_never_analyzed(
     automatic recalculation on, and off), an idle claim (a batch of 10 with the run count,
     as the worker sends it) and the idle worker's read of the next due time each read a few
     index entries at 0, 2,000 and 8,000 jobs scheduled for later at three priorities: never
-    the scheduled jobs, whatever the statistics say."""
+    the scheduled jobs, whatever the statistics say. Then 3 jobs of a lower priority come
+    due: the claim takes them, in due order, reading as little."""
     measure, bound = POLL_WORK[backend]
     scan = dialect_of(engine).priority_scan
+    claimed: list[str] = []
 
     def claim(c: sa.Connection) -> None:
-        assert poll_due_jobs(c, sp.DEFAULT_QUEUE, sp.utc_now(), 10, with_runs=True) == []
+        found = poll_due_jobs(c, sp.DEFAULT_QUEUE, sp.utc_now(), 10, with_runs=True)
+        claimed[:] = [job["job_type"] for job in found]
 
     def sleep(c: sa.Connection) -> None:
         assert next_due_at(c, sp.DEFAULT_QUEUE, scan) == earliest
@@ -659,4 +662,15 @@ def test_an_idle_poll_reads_no_scheduled_job_in_a_table_never_analyzed(
                 conn.rollback()
                 work[options, total] = (measure(conn, claim), measure(conn, sleep))
                 conn.rollback()
+            assert claimed == [], claimed
+        due = [
+            build_job_values(f"due-{n}", n, process_at=now - timedelta(minutes=3 - n), priority=-1)
+            for n in range(3)
+        ]
+        with engine.begin() as conn:
+            conn.execute(sa.insert(statements.JOB), due)
+        with engine.connect() as conn:
+            work[options, "3 due"] = (measure(conn, claim),)
+            conn.rollback()
+        assert claimed == ["due-0", "due-1", "due-2"], claimed
     assert all(0 <= w <= bound for pair in work.values() for w in pair), work
