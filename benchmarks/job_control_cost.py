@@ -43,6 +43,7 @@ from benchmarks.report import RESULTS, Results, write_section
 from benchmarks.servers import Server, durable_servers
 from sqla_proletarian import statements as sql
 from sqla_proletarian.dialects import dialect_of
+from sqla_proletarian.running import due_run_orders
 
 SECTION = "job_control_cost"
 #: The queue the statements alone are timed over.
@@ -166,10 +167,9 @@ def statement_costs(engine: sa.Engine, rewriter: Rewriter, variant: str) -> dict
             if dialect.poll_finds_priority:
                 conn.execute(*sql.poll_first(sp.DEFAULT_QUEUE, now, 50)).all()
             else:
-                orders = conn.execute(
-                    *sql.due_run_orders(sp.DEFAULT_QUEUE, now, dialect.priority_scan)
-                ).all()
-                conn.execute(*sql.poll(sp.DEFAULT_QUEUE, now, 50, run_order=orders[0][0])).all()
+                orders = due_run_orders(conn, sp.DEFAULT_QUEUE, now, dialect.priority_scan)
+                run_order = next(iter(orders))
+                conn.execute(*sql.poll(sp.DEFAULT_QUEUE, now, 50, run_order=run_order)).all()
             conn.rollback()
 
     rewriter.on = cut

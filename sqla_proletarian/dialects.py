@@ -39,9 +39,11 @@ InsertOrNothing = Literal[
 
 #: How the poll finds the priorities of a queue that have a due job without reading the jobs
 #: scheduled for later: a recursive CTE hopping from priority to priority through the poll
-#: index, or a GROUP BY that MySQL and MariaDB read as a loose index scan (their correlated
-#: subqueries cannot start an index range, so the CTE's hops would each read from the start).
-PriorityScan = Literal["recursive", "group_by"]
+#: index, or the same hops as statements of their own, one index entry each (MySQL and
+#: MariaDB: their correlated subqueries cannot start an index range, so the CTE's hops would
+#: each read from the start, and the GROUP BY they can read as a loose index scan is read so
+#: only with fresh statistics: with a new table's, it reads every job of the queue).
+PriorityScan = Literal["recursive", "hops"]
 
 
 @dataclass(frozen=True)
@@ -201,7 +203,7 @@ _MYSQL = {
     # between the records it reads, and other workers' record inserts wait for them.
     # SQLAlchemy puts the session's own level back when the connection returns to the pool.
     "ledger_setup": ("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED",),
-    "priority_scan": "group_by",
+    "priority_scan": "hops",
     "poll_finds_priority": False,
 }
 DIALECTS: dict[str, Dialect] = {

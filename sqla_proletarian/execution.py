@@ -38,6 +38,7 @@ from sqla_proletarian.running import (
     Outcome,
     RunnerBase,
     describe,
+    due_run_orders,
     rollback_quietly,
 )
 
@@ -109,8 +110,9 @@ def poll_due_jobs(
     excluding: list[uuid.UUID] | None = None,
 ) -> list[dict[str, Any]]:
     """Lock up to ``limit`` due jobs of a queue in claim order: its priorities that have a
-    due job (a loose scan of the poll index, so jobs scheduled for later are never read),
-    then each in turn, highest first, until ``limit`` are locked (``excluding`` some).
+    due job (hops through the poll index, one or two entries a priority, so jobs scheduled
+    for later are never read), then each in turn, highest first, until ``limit`` are locked
+    (``excluding`` some).
 
     Where the server allows, the first poll finds the first due priority itself; the
     priorities are read only when it locks fewer than ``limit``: then the polls go on past
@@ -126,8 +128,7 @@ def poll_due_jobs(
             return jobs
         if jobs:
             after = jobs[0]["run_order"]
-    priorities = sql.due_run_orders(queue, now, dialect.priority_scan)
-    for run_order in sorted(direct.execute(conn, *priorities).scalars()):
+    for run_order in due_run_orders(conn, queue, now, dialect.priority_scan):
         if after is not None and run_order <= after:
             continue
         poll = sql.poll(

@@ -16,19 +16,19 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session
 
-from sqla_proletarian import ledger, turns
+from sqla_proletarian import direct, ledger, turns
 from sqla_proletarian import statements as sql
-from sqla_proletarian.dialects import dialect_of
+from sqla_proletarian.dialects import PriorityScan, dialect_of
 from sqla_proletarian.errors import PayloadDeserializationError, ProletarianError
 from sqla_proletarian.handlers import JobContext, StopSignal
 from sqla_proletarian.logs import log_event
@@ -40,6 +40,7 @@ Outcome = Literal["succeeded", "retried", "failed"]
 RetryStrategyFn = Callable[[JobContext, Exception], RetryStrategy | None]
 FailedJobHandler = Callable[[JobContext, Exception], object]
 Failure = tuple[JobContext, Exception]
+T = TypeVar("T")
 
 #: Longest error text kept in the archive, in UTF-8 bytes (MariaDB's TEXT holds 65,535).
 MAX_ERROR_BYTES = 16_384
@@ -203,21 +204,19 @@ class RunnerBase:
 
     def _any_due(self, conn: Connection) -> bool:
         """Whether a job of the queues is due, read without taking the write lock."""
-        now = self.now()
-        return any(
-            self._read_each(conn, lambda queue: sql.due_job(queue, now, self.dialect.priority_scan))
-        )
+        now, scan = self.now(), self.dialect.priority_scan
+        return any(self._read_each(conn, lambda queue: is_due(conn, queue, now, scan)))
 
     def next_due(self, conn: Connection) -> datetime | None:
         """When the queues' earliest job is due (None: no job, or the queues are paused), read
         on the claim's connection without locking anything: an idle worker sleeps until then."""
         scan = self.dialect.priority_scan
-        rows = self._read_each(conn, lambda queue: sql.next_due(queue, scan))
-        return min((row[0] for row in rows), default=None)
+        times = self._read_each(conn, lambda queue: next_due_at(conn, queue, scan))
+        return min((when for when in times if when is not None), default=None)
 
-    def _read_each(self, conn: Connection, statement: Callable[[str], sql.Statement]) -> list[Any]:
-        """The rows of one read per queue, in a transaction of their own on ``conn``."""
-        return read_rows(conn, (statement(queue) for queue in self.settings.queues))
+    def _read_each(self, conn: Connection, read: Callable[[str], T]) -> list[T]:
+        """What one read per queue returned, in a transaction of their own on ``conn``."""
+        return read_apart(conn, lambda: [read(queue) for queue in self.settings.queues])
 
     def _commits(self, conn: Connection) -> int:
         """SQLite's count of other connections' commits to the file, as seen from ``conn``."""
@@ -367,13 +366,60 @@ def read_alone(conn: Connection, statement: sql.Statement) -> Any:
 
 def read_rows(conn: Connection, statements: Iterable[sql.Statement]) -> list[Any]:
     """The rows of some reads on the claim's connection, in one transaction of their own."""
+    return read_apart(
+        conn, lambda: [row for statement in statements for row in conn.execute(*statement)]
+    )
+
+
+def read_apart(conn: Connection, read: Callable[[], T]) -> T:
+    """What ``read`` returned, its reads made on the claim's connection in one transaction of
+    their own."""
     try:
-        rows = [row for statement in statements for row in conn.execute(*statement)]
+        result = read()
         conn.rollback()
     except BaseException:
         rollback_quietly(conn)
         raise
-    return rows
+    return result
+
+
+def priority_entries(conn: Connection, queue: str) -> Iterator[tuple[int, datetime]]:
+    """Each priority of a queue (``run_order``) with its earliest ``process_at``, highest
+    first, read as the caller goes on: one statement and one entry of the poll index each
+    (``Dialect.priority_scan`` "hops"); none when the queue is paused."""
+    rows = direct.execute(conn, *sql.first_entry(queue)).rows
+    while rows:
+        run_order, earliest = rows[0]
+        yield run_order, earliest
+        rows = direct.execute(conn, *sql.first_entry(queue, after=run_order)).rows
+
+
+def due_run_orders(
+    conn: Connection, queue: str, now: datetime, scan: PriorityScan
+) -> Iterable[int]:
+    """The priorities (``run_order``) of a queue that have a job due at ``now``, running or
+    not, highest first, unless the queue is paused; hops are read as the caller goes on, so a
+    claim that has its batch reads no further. No job scheduled for later is read."""
+    if scan == "hops":
+        entries = priority_entries(conn, queue)
+        return (run_order for run_order, earliest in entries if earliest <= now)
+    return sorted(direct.execute(conn, *sql.due_run_orders(queue, now)).scalars())
+
+
+def next_due_at(conn: Connection, queue: str, scan: PriorityScan) -> datetime | None:
+    """When the queue's earliest job is due, running or not (None: no job, or the queue is
+    paused); no job but each priority's first is read."""
+    if scan == "hops":
+        return min((earliest for _, earliest in priority_entries(conn, queue)), default=None)
+    return min(direct.execute(conn, *sql.next_due(queue)).scalars(), default=None)
+
+
+def is_due(conn: Connection, queue: str, now: datetime, scan: PriorityScan) -> bool:
+    """Whether a job of the queue is due at ``now``, running or not, unless the queue is
+    paused; no job scheduled for later is read."""
+    if scan == "hops":
+        return any(earliest <= now for _, earliest in priority_entries(conn, queue))
+    return bool(direct.execute(conn, *sql.due_job(queue, now)).rows)
 
 
 def rollback_quietly(conn: Connection) -> None:

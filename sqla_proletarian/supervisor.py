@@ -38,14 +38,13 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from sqla_proletarian import statements as sql
 from sqla_proletarian.dialects import dialect_of
 from sqla_proletarian.errors import is_transient
 from sqla_proletarian.exits import EXIT_INTERRUPTED, EXIT_JOBS_UNFINISHED, unfinished_text
 from sqla_proletarian.inspection import queue_status
 from sqla_proletarian.logs import log_event
 from sqla_proletarian.options import WorkerOptions
-from sqla_proletarian.running import read_rows
+from sqla_proletarian.running import is_due, next_due_at
 from sqla_proletarian.worker import QueueWorker, create_queue_worker
 
 __all__ = [
@@ -167,14 +166,14 @@ def log_burst_done(engine: Engine, worker: QueueWorker | Any) -> None:
                 for status in queue_status(conn, clock=options.clock)
                 if status.queue in options.queues
             )
-            firsts = read_rows(conn, (sql.next_due(queue, scan) for queue in options.queues))
+            firsts = [next_due_at(conn, queue, scan) for queue in options.queues]
     except Exception as exc:
         if not is_transient(exc):
             raise
         return
     if not later:
         return
-    due = min((_aware(row[0]) for row in firsts if _aware(row[0]) > now), default=None)
+    due = min((_aware(at) for at in firsts if at is not None and _aware(at) > now), default=None)
     log_event(
         logging.INFO,
         "burst-done",
@@ -198,10 +197,7 @@ def any_due(engine: Engine, options: WorkerOptions) -> bool:
     try:
         with engine.connect() as conn:
             now, scan = options.clock(), dialect_of(conn).priority_scan
-            return any(
-                conn.execute(*sql.due_job(queue, now, scan)).first() is not None
-                for queue in options.queues
-            )
+            return any(is_due(conn, queue, now, scan) for queue in options.queues)
     except Exception as exc:
         if not is_transient(exc):
             raise

@@ -26,6 +26,7 @@ from sqla_proletarian.statements.base import (
 )
 from sqla_proletarian.statements.claim import (
     due_run_orders,
+    first_entry,
     next_due,
     poll,
     poll_first,
@@ -144,6 +145,7 @@ __all__ = [
     "failures_to_retry",
     "finished_by_minute",
     "finished_counts",
+    "first_entry",
     "held_jobs",
     "hold_owner",
     "insert_job",

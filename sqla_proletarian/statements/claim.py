@@ -15,7 +15,6 @@ from sqlalchemy import (
     select,
 )
 
-from sqla_proletarian.dialects import PriorityScan
 from sqla_proletarian.statements.base import JOB, JOB_COLUMNS, PAUSED, RUN, Statement
 
 #: How many run records a job has; read with the claim, locking nothing in the ledger.
@@ -135,39 +134,60 @@ _FIRST_DUE_RUN_ORDER = (
     .where(_UNTIL_DUE.c.run_order.is_not(None), _earliest(_UNTIL_DUE.c.run_order) <= _DUE_AT)
     .scalar_subquery()
 )
-_DUE_RUN_ORDERS = {
-    "recursive": select(_RUN_ORDERS.c.run_order).where(
-        _RUN_ORDERS.c.run_order.is_not(None), _EARLIEST <= _DUE_AT
-    ),
-    # A loose index scan: per priority, one probe for its first due entry (MIN of the next
-    # index column, bounded by the range); grouped by the queue too, as the index starts.
-    "group_by": select(JOB.c.run_order, func.min(JOB.c.process_at))
-    .where(JOB.c.queue == bindparam("queue"), JOB.c.process_at <= _DUE_AT, ~_PAUSED)
-    .group_by(JOB.c.queue, JOB.c.run_order),
-}
+#: The queue's priorities that have a due job, unless it is paused.
+_DUE_RUN_ORDERS = select(_RUN_ORDERS.c.run_order).where(
+    _RUN_ORDERS.c.run_order.is_not(None), _EARLIEST <= _DUE_AT
+)
 
 
-def due_run_orders(queue: str, now: datetime, scan: PriorityScan) -> Statement:
+def due_run_orders(queue: str, now: datetime) -> Statement:
     """The priorities (as ``run_order``, the first column) of a queue that have a job due at
     ``now``, running or not, unless the queue is paused: a probe or two of the poll index per
-    priority, however many jobs are scheduled for later; a plain read, locking nothing."""
-    return _DUE_RUN_ORDERS[scan], {"queue": queue, "now": now}
+    priority, however many jobs are scheduled for later; a plain read, locking nothing
+    (``Dialect.priority_scan`` "recursive"; see ``first_entry`` for "hops")."""
+    return _DUE_RUN_ORDERS, {"queue": queue, "now": now}
 
 
-_NEXT_DUE = {
-    "recursive": select(_EARLIEST).where(_RUN_ORDERS.c.run_order.is_not(None)),
-    # A loose index scan, as in ``_DUE_RUN_ORDERS``: per priority, its first index entry.
-    "group_by": select(func.min(JOB.c.process_at))
-    .where(JOB.c.queue == bindparam("queue"), ~_PAUSED)
-    .group_by(JOB.c.queue, JOB.c.run_order),
-}
+_NEXT_DUE = select(_EARLIEST).where(_RUN_ORDERS.c.run_order.is_not(None))
 
 
-def next_due(queue: str, scan: PriorityScan) -> Statement:
+def next_due(queue: str) -> Statement:
     """Each priority's earliest ``process_at`` (the first column) in a queue, unless it is
     paused: the first entry of each priority's range of the poll index, whether due or
-    scheduled for later, so an idle worker can sleep until then; a plain read."""
-    return _NEXT_DUE[scan], {"queue": queue}
+    scheduled for later, so an idle worker can sleep until then; a plain read (as
+    ``due_run_orders``)."""
+    return _NEXT_DUE, {"queue": queue}
+
+
+#: MySQL and MariaDB are told which index to read, whatever their statistics say.
+_BY_POLL_INDEX = "FORCE INDEX (ix_proletarian_job_poll)"
+
+
+def _first_entry(after: bool) -> Select[Any]:
+    statement = select(JOB.c.run_order, JOB.c.process_at).where(JOB.c.queue == bindparam("queue"))
+    # The pause is checked by the first hop: the polls that follow check it again.
+    statement = statement.where(JOB.c.run_order > bindparam("after") if after else ~_PAUSED)
+    return (
+        statement.order_by(JOB.c.run_order, JOB.c.process_at)
+        .limit(1)
+        .with_hint(JOB, _BY_POLL_INDEX, "mysql")
+        .with_hint(JOB, _BY_POLL_INDEX, "mariadb")
+    )
+
+
+_FIRST_ENTRY = _first_entry(after=False)
+_ENTRY_AFTER = _first_entry(after=True)
+
+
+def first_entry(queue: str, after: int | None = None) -> Statement:
+    """The first entry of a queue's range of the poll index, or of its part past the priority
+    ``after``: the next priority (``run_order``) and its earliest ``process_at``, due or not.
+    One entry read, whatever the server's statistics say, where a priority's jobs scheduled
+    for later lie past it; no row when the queue is paused (checked with the first) or no
+    priority follows. The hops of ``Dialect.priority_scan`` "hops", one a statement."""
+    if after is None:
+        return _FIRST_ENTRY, {"queue": queue}
+    return _ENTRY_AFTER, {"queue": queue, "after": after}
 
 
 #: Inline: ``seq`` comes from the server's default, with no ``nextval()`` round trip first

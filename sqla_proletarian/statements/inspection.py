@@ -27,7 +27,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
-from sqla_proletarian.dialects import InsertOrNothing, PriorityScan
+from sqla_proletarian.dialects import InsertOrNothing
 from sqla_proletarian.statements.base import ARCHIVE, JOB, PAUSED, RUN, Statement, _any
 from sqla_proletarian.statements.claim import _DUE_RUN_ORDERS
 from sqla_proletarian.statements.housekeeping import _BY_FINISHED_AT
@@ -303,13 +303,13 @@ def delete_failure(job_id: uuid.UUID) -> Statement:
     return _DELETE_FAILED_ONE, {"job_id": job_id}
 
 
-_DUE_JOB = {scan: statement.limit(1) for scan, statement in _DUE_RUN_ORDERS.items()}
+_DUE_JOB = _DUE_RUN_ORDERS.limit(1)
 
 
-def due_job(queue: str, now: datetime, scan: PriorityScan) -> Statement:
+def due_job(queue: str, now: datetime) -> Statement:
     """A row when a job of the queue is due at ``now``, running or not, unless the queue is
     paused (probes of the poll index, as ``due_run_orders``)."""
-    return _DUE_JOB[scan], {"queue": queue, "now": now}
+    return _DUE_JOB, {"queue": queue, "now": now}
 
 
 _DATA_VERSION = text("PRAGMA data_version")

@@ -44,9 +44,15 @@ def _hot_statements(conn: sa.Connection, job_ids: list[uuid.UUID]) -> list[Any]:
     if dialect.poll_finds_priority:
         first = sql.poll_first("default", now, 2, with_runs=True)
         seen.append(direct.execute(conn, *first).mappings())
-    orders = direct.execute(conn, *sql.due_run_orders("default", now, dialect.priority_scan))
-    seen.append(sorted(orders.scalars()))
-    for run_order in seen[-1]:
+    if dialect.priority_scan == "hops":
+        first = direct.execute(conn, *sql.first_entry("default")).rows
+        second = direct.execute(conn, *sql.first_entry("default", after=first[0][0])).rows
+        seen += [first, second]
+        orders = [first[0][0], second[0][0]]
+    else:
+        orders = sorted(direct.execute(conn, *sql.due_run_orders("default", now)).scalars())
+    seen.append(orders)
+    for run_order in orders:
         poll = sql.poll("default", now, 10, run_order=run_order, with_runs=True)
         seen.append(direct.execute(conn, *poll).mappings())
     run_ids = {job_id: uuid.uuid5(job_id, "run") for job_id in job_ids[:2]}

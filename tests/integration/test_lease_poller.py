@@ -52,8 +52,13 @@ class Statements:
 
     def _executed(self, conn: sa.Connection, cursor: Any, statement: str, *args: Any) -> None:
         text = " ".join(statement.split())
-        if text.startswith(("SELECT", "WITH")) and "FROM proletarian_job" in text and "<=" in text:
-            # A poll for due jobs (SQLite: its look for one first).
+        if (
+            text.startswith(("SELECT", "WITH"))
+            and "FROM proletarian_job" in text
+            and ("<=" in text or "FORCE INDEX (ix_proletarian_job_poll)" in text)
+        ):
+            # A poll for due jobs (SQLite: its look for one first; MySQL and MariaDB: their
+            # read of the queue's priorities, which with no job reads no due time).
             with self._lock:
                 self.polls[threading.current_thread().name] += 1
         if DELETES_JOBS.search(text):

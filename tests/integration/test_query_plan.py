@@ -1,11 +1,13 @@
 """The poll is served by the index ix_proletarian_job_poll on every backend: first the queue's
-priorities that have a due job, two index probes per priority (a loose index scan), then per
+priorities that have a due job, two index probes per priority (a loose index scan; on MariaDB
+one statement per priority, each reading the first index entry past the last), then per
 priority one range of due jobs that gives both the WHERE (queue, run_order, due time) and the
 ORDER BY (process_at, seq), so no sort, no scan of the whole table and no job scheduled for
-later is read, with realistic data and fresh statistics (no planner switches). On PostgreSQL
-and SQLite the claim's first poll finds the first due priority itself, with the same probes
-evaluated once, and reads its range with the priority as a key. Whether the
-queue is paused is one primary-key lookup, made once per statement. The run count read with
+later is read, with realistic data and fresh statistics (no planner switches), and in a new
+table whose statistics were never refreshed. On PostgreSQL and SQLite the claim's first poll
+finds the first due priority itself, with the same probes evaluated once, and reads its range
+with the priority as a key. Whether the queue is paused is one primary-key lookup, made once
+per statement. The run count read with
 the claim goes through ix_proletarian_job_run_job_id, and prune_archive's batches through
 ix_proletarian_archived_job_finished_at and the archive's primary key: their cost stays flat
 however many jobs are queued or archived. On MariaDB a finishing batch's multi-row
@@ -30,6 +32,7 @@ import sqla_proletarian as sp
 from sqla_proletarian import statements
 from sqla_proletarian.dialects import dialect_of
 from sqla_proletarian.execution import poll_due_jobs
+from sqla_proletarian.running import next_due_at
 from sqla_proletarian.statements import Statement
 from sqla_proletarian.values import build_job_values
 
@@ -246,15 +249,18 @@ def check_plan(engine: sa.Engine, backend: str, queue: str, *, with_runs: bool) 
         assert len(paused) == 1 and "(queue=?)" in paused[0], details
 
 
-def check_priority_scan_plan(
-    engine: sa.Engine, backend: str, queue: str, statement: Statement | None = None
-) -> None:
-    """The poll's first statement, the priorities with a due job, probes the poll index (a
-    recursive CTE; on MariaDB a GROUP BY read as a loose index scan): no scan of the table.
-    So does ``statement`` if given (the idle worker's read of the next due time)."""
-    if statement is None:
-        scan = dialect_of(engine).priority_scan
-        statement = statements.due_run_orders(queue, sp.utc_now(), scan)
+def priority_reads(engine: sa.Engine, queue: str) -> list[Statement]:
+    """The reads of a queue's priorities: the poll's first (the priorities with a due job)
+    and the idle worker's read of each one's earliest job; on MariaDB the hops that serve
+    both, from the start of the queue's range and past a priority."""
+    if dialect_of(engine).priority_scan == "hops":
+        return [statements.first_entry(queue), statements.first_entry(queue, after=-1)]
+    return [statements.due_run_orders(queue, sp.utc_now()), statements.next_due(queue)]
+
+
+def check_priority_scan_plan(engine: sa.Engine, backend: str, statement: Statement) -> None:
+    """A read of the priorities probes the poll index (a recursive CTE; on MariaDB one entry
+    of the index, in its order): no scan of the table, no sort."""
     if backend == "postgresql":
         nodes = postgresql_plan(engine, statement)
         kinds = [node["Node Type"] for node in nodes]
@@ -264,8 +270,10 @@ def check_priority_scan_plan(
     elif backend == "mariadb":
         plan = [dict(row._mapping) for row in explain(engine, "EXPLAIN ", statement)]
         (job,) = [row for row in plan if row["table"] == "proletarian_job"]
-        assert job["key"] == INDEX, plan
-        assert "Using index for group-by" in job["Extra"], plan
+        assert job["key"] == INDEX and job["type"] in ("range", "ref"), plan
+        for row in plan:
+            assert "filesort" not in (row["Extra"] or ""), plan
+            assert "temporary" not in (row["Extra"] or ""), plan
     else:
         details = [row.detail for row in explain(engine, "EXPLAIN QUERY PLAN ", statement)]
         assert not any(f"SCAN {statements.JOB.name}" in detail for detail in details), details
@@ -312,9 +320,8 @@ def test_the_poll_of_a_busy_and_of_a_small_queue_reads_the_index_in_order_withou
 ) -> None:
     for queue in (sp.DEFAULT_QUEUE, "small-1"):
         check_plan(busy_engine, backend, queue, with_runs=False)
-        check_priority_scan_plan(busy_engine, backend, queue)
-        next_due = statements.next_due(queue, dialect_of(busy_engine).priority_scan)
-        check_priority_scan_plan(busy_engine, backend, queue, next_due)
+        for statement in priority_reads(busy_engine, queue):
+            check_priority_scan_plan(busy_engine, backend, statement)
         check_first_poll_plan(busy_engine, backend, queue, with_runs=False)
 
 
@@ -325,7 +332,8 @@ def test_the_poll_with_its_run_count_stays_on_its_indexes_with_50000_queued_and_
     small one, with 50,000 jobs queued, 50,000 archived and 1,000 run records."""
     for queue in (sp.DEFAULT_QUEUE, "small-2"):
         check_plan(crowded_engine, backend, queue, with_runs=True)
-        check_priority_scan_plan(crowded_engine, backend, queue)
+        for statement in priority_reads(crowded_engine, queue):
+            check_priority_scan_plan(crowded_engine, backend, statement)
         check_first_poll_plan(crowded_engine, backend, queue, with_runs=True)
 
 
@@ -584,12 +592,85 @@ def test_an_idle_workers_read_of_the_next_due_time_reads_no_scheduled_job(
     once or twice per priority beside 50,000 jobs scheduled for later, and finds the
     earliest: it does not read the scheduled jobs."""
     measure, bound = POLL_WORK[backend]
-    statement = statements.next_due(sp.DEFAULT_QUEUE, dialect_of(scheduled_engine).priority_scan)
-    check_priority_scan_plan(scheduled_engine, backend, sp.DEFAULT_QUEUE, statement)
+    for statement in priority_reads(scheduled_engine, sp.DEFAULT_QUEUE):
+        check_priority_scan_plan(scheduled_engine, backend, statement)
+    scan = dialect_of(scheduled_engine).priority_scan
     with scheduled_engine.connect() as conn:
-        earliest = min(row[0] for row in conn.execute(*statement))
+        earliest = next_due_at(conn, sp.DEFAULT_QUEUE, scan)
         first = conn.execute(sa.select(sa.func.min(statements.JOB.c.process_at))).scalar_one()
         assert earliest == first
-        work = measure(conn, lambda c: c.execute(*statement).all())
+        work = measure(conn, lambda c: next_due_at(c, sp.DEFAULT_QUEUE, scan))
         conn.rollback()
         assert 0 < work <= bound, work
+
+
+#: Jobs scheduled for later in a new table whose statistics were never refreshed.
+UNANALYZED = (0, 2_000, 8_000)
+#: MariaDB's table options: none (persistent statistics recalculated in the background once
+#: a tenth of the table changed, some seconds later), or no recalculation (as stale as they get).
+STATS_OPTIONS = {"mariadb": ("", "STATS_AUTO_RECALC=0")}
+
+
+def test_an_idle_poll_reads_no_scheduled_job_in_a_table_never_analyzed(
+    engine: sa.Engine, backend: str
+) -> None:
+    """In a new table whose planner statistics are still those of the empty table (no
+    ANALYZE; read right after the inserts; on MariaDB with the persistent statistics'
+    automatic recalculation on, and off), an idle claim (a batch of 10 with the run count,
+    as the worker sends it) and the idle worker's read of the next due time each read a few
+    index entries at 0, 2,000 and 8,000 jobs scheduled for later at three priorities: never
+    the scheduled jobs, whatever the statistics say. Then 3 jobs of a lower priority come
+    due: the claim takes them, in due order, reading as little."""
+    measure, bound = POLL_WORK[backend]
+    scan = dialect_of(engine).priority_scan
+    claimed: list[str] = []
+
+    def claim(c: sa.Connection) -> None:
+        found = poll_due_jobs(c, sp.DEFAULT_QUEUE, sp.utc_now(), 10, with_runs=True)
+        claimed[:] = [job["job_type"] for job in found]
+
+    def sleep(c: sa.Connection) -> None:
+        assert next_due_at(c, sp.DEFAULT_QUEUE, scan) == earliest
+
+    work = {}
+    for options in STATS_OPTIONS.get(backend, ("",)):
+        sp.metadata.drop_all(engine)
+        sp.metadata.create_all(engine)
+        if options:
+            with engine.begin() as conn:
+                conn.exec_driver_sql(f"ALTER TABLE {statements.JOB.name} {options}")
+        rng = random.Random(5)
+        scheduled = 0
+        for total in UNANALYZED:
+            now = sp.utc_now()
+            jobs = [
+                build_job_values(
+                    "later",
+                    n,
+                    process_at=now + timedelta(seconds=rng.uniform(60, 3600)),
+                    priority=rng.choice((0, 1, 5)),
+                )
+                for n in range(scheduled, total)
+            ]
+            with engine.begin() as conn:
+                if jobs:
+                    conn.execute(sa.insert(statements.JOB), jobs)
+                earliest = conn.scalar(sa.select(sa.func.min(statements.JOB.c.process_at)))
+            scheduled = total
+            with engine.connect() as conn:
+                claim(conn)  # the first statements on a new table open it: not measured
+                conn.rollback()
+                work[options, total] = (measure(conn, claim), measure(conn, sleep))
+                conn.rollback()
+            assert claimed == [], claimed
+        due = [
+            build_job_values(f"due-{n}", n, process_at=now - timedelta(minutes=3 - n), priority=-1)
+            for n in range(3)
+        ]
+        with engine.begin() as conn:
+            conn.execute(sa.insert(statements.JOB), due)
+        with engine.connect() as conn:
+            work[options, "3 due"] = (measure(conn, claim),)
+            conn.rollback()
+        assert claimed == ["due-0", "due-1", "due-2"], claimed
+    assert all(0 <= w <= bound for pair in work.values() for w in pair), work

@@ -77,7 +77,7 @@ def test_a_one_job_claim_deletes_its_run_record_once(engine: sa.Engine) -> None:
 
     @sa.event.listens_for(engine, "before_cursor_execute")
     def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        if "FROM proletarian_job" in statement and "LIMIT" in statement:
+        if "FROM proletarian_job" in statement and "process_at <=" in statement:
             polled.set()
         if polled.is_set() and "proletarian_" in statement:
             sent.append(" ".join(statement.split()))
