@@ -1125,8 +1125,8 @@ class LeaseRunner(RunnerBase):
         )
         with self._runs_lock:
             self._outcome_threads = [t for t in self._outcome_threads if t.is_alive()]
+            thread.start()  # before close() can see it, and join it
             self._outcome_threads.append(thread)
-        thread.start()
 
 
 #: The range of ``lease_seconds``: at least a second (its heartbeat renews it within), at

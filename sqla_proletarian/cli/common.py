@@ -73,7 +73,13 @@ def parse_duration(text: str) -> timedelta:
 
 
 def parse_seconds(text: str) -> float:
-    """A flag's seconds: a number, or a duration such as ``5min`` (see parse_duration)."""
+    """A flag's seconds: a number, or a duration such as ``5min`` (see parse_duration). A
+    number is taken as it is (``inf`` and ``nan`` too): the option's own check refuses what
+    it cannot use, naming its range."""
+    try:
+        return float(text)
+    except ValueError:
+        pass
     try:
         return parse_duration(text).total_seconds()
     except UsageError:
