@@ -555,7 +555,7 @@ class LeaseRunner(RunnerBase):
                 self._forget(run)
             session.release()
         if outcome is not None and run.state != "done":
-            self._finished(job, outcome, failure)
+            self._finished(job, outcome, failure, run.started)
 
     def _handle(
         self,
@@ -633,7 +633,6 @@ class LeaseRunner(RunnerBase):
         if error is None:
             if not self._write(run, session, "success", None):
                 return None, None
-            log_event(logging.DEBUG, "job-finished", **fields)
             return "succeeded", None
         log_event(
             logging.WARNING,
@@ -673,8 +672,7 @@ class LeaseRunner(RunnerBase):
         assert kept is not None
         for run in runs:
             if run.job_id in kept:
-                log_event(logging.DEBUG, "job-finished", **self._fields(run.job))
-                self._finished(run.job, "succeeded", None)
+                self._finished(run.job, "succeeded", None, run.started)
             else:
                 self._fenced(run)
         return False
