@@ -26,8 +26,15 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.schema import SchemaItem
 
 from sqla_proletarian.errors import InvalidJobError
+from sqla_proletarian.serialization import Serializer
 from sqla_proletarian.types import UTCDateTime, name_type, payload_type
-from sqla_proletarian.values import DEFAULT_PRIORITY, DEFAULT_QUEUE, build_job_values
+from sqla_proletarian.values import (
+    DEFAULT_PRIORITY,
+    DEFAULT_QUEUE,
+    Clock,
+    JobIdStrategy,
+    build_job_values,
+)
 
 __all__ = [
     "DEFAULT_QUEUE",
@@ -162,15 +169,19 @@ class Job(Base):
         process_at: datetime | None = None,
         process_in: timedelta | float | None = None,
         priority: int = DEFAULT_PRIORITY,
-        **options: Any,
+        job_id: uuid.UUID | None = None,
+        serializer: Serializer | None = None,
+        job_id_strategy: JobIdStrategy | None = None,
+        clock: Clock | None = None,
+        unique_key: None = None,
     ) -> None:
         """Validate and fill a job exactly as ``enqueue()`` does; a bad job fails here.
 
-        Further keyword options: ``job_id``, ``serializer``, ``job_id_strategy``, ``clock``.
+        ``job_id``, ``serializer``, ``job_id_strategy`` and ``clock`` as for ``enqueue()``.
         A ``unique_key`` is refused: a flush could not hand back the id of the job holding
         the key, so such jobs go through ``sp.enqueue(session, ..., unique_key=...)``.
         """
-        if options.get("unique_key") is not None:
+        if unique_key is not None:
             raise InvalidJobError(
                 "unique_key",
                 "a Job added to a Session cannot return the id of the job that already holds "
@@ -184,7 +195,10 @@ class Job(Base):
             process_at=process_at,
             process_in=process_in,
             priority=priority,
-            **options,
+            job_id=job_id,
+            serializer=serializer,
+            job_id_strategy=job_id_strategy,
+            clock=clock,
         )
         super().__init__(**values)
 
