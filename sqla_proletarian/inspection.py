@@ -31,6 +31,7 @@ __all__ = [
     "DEFAULT_FAILED_LIMIT",
     "DEFAULT_PAGE_SIZE",
     "JOB_STATES",
+    "EarlierOutcome",
     "FailedJob",
     "FinishedMinute",
     "JobDetail",
@@ -306,10 +307,23 @@ class JobInfo:
 
 
 @dataclass(frozen=True)
+class EarlierOutcome:
+    """An earlier end of a job that ``retry_failed`` put back in the queue: its archive row's
+    ``state`` (``failed``), ``attempts``, ``finished_at`` and ``error`` as they were."""
+
+    state: str
+    attempts: int
+    finished_at: datetime
+    error: str | None
+
+
+@dataclass(frozen=True)
 class JobDetail(JobInfo):
-    """One job with its payload (the stored text)."""
+    """One job with its payload (the stored text) and its ``history``: its earlier ends,
+    oldest first, each put back in the queue by ``retry_failed`` (empty for most jobs)."""
 
     payload: str
+    history: tuple[EarlierOutcome, ...] = field(default=(), kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -384,18 +398,24 @@ def list_jobs(
 def get_job(
     bind: Engine | Connection, job_id: uuid.UUID | str, *, clock: Clock = utc_now
 ) -> JobDetail | None:
-    """The job of this id, queued or archived, with its payload; None when there is none."""
+    """The job of this id, queued or archived, with its payload and its earlier ends (the
+    failures ``retry_failed`` put back); None when there is none."""
     try:
         wanted = job_id if isinstance(job_id, uuid.UUID) else uuid.UUID(job_id)
     except (TypeError, ValueError, AttributeError):
         raise ConfigurationError(f"{job_id!r} is not a job id; give a UUID") from None
     with _reading(bind, "get_job") as conn:
         row = conn.execute(*sql.queued_job(wanted)).one_or_none()
+        history = tuple(
+            EarlierOutcome(_STATE_OF_STATUS.get(end.status, end.status), *end[1:])
+            for end in conn.execute(*sql.history_of(wanted))
+        )
         if row is None:
             archived = conn.execute(*sql.archived_job(wanted)).one_or_none()
             if archived is None:
                 return None
-            return JobDetail(**vars(_archived_info(archived)), payload=archived.payload)
+            info = vars(_archived_info(archived))
+            return JobDetail(**info, payload=archived.payload, history=history)
         now = clock()
         owners = {run.owner for run in conn.execute(*sql.runs_of(wanted))}
         if row.lease_token is not None:
@@ -404,7 +424,8 @@ def get_job(
             state = "running"
         else:
             state = "ready" if row.process_at <= now else "scheduled"
-    return JobDetail(**vars(_queued_info(row, state, now)), payload=row.payload)
+    info = vars(_queued_info(row, state, now))
+    return JobDetail(**info, payload=row.payload, history=history)
 
 
 def finished_per_minute(

@@ -41,6 +41,7 @@ __all__ = [
     "ArchivedJob",
     "Base",
     "Job",
+    "JobHistory",
     "JobRun",
     "PausedQueue",
     "PeriodicSchedule",
@@ -53,6 +54,7 @@ ARCHIVED_JOB_TABLE = "proletarian_archived_job"
 JOB_RUN_TABLE = "proletarian_job_run"
 PERIODIC_TABLE = "proletarian_periodic"
 PAUSED_QUEUE_TABLE = "proletarian_paused_queue"
+JOB_HISTORY_TABLE = "proletarian_job_history"
 #: The unique index that lets one queued job hold a ``unique_key`` in its queue.
 UNIQUE_KEY_INDEX = "ix_proletarian_job_unique_key"
 
@@ -275,6 +277,29 @@ class ArchivedJob(Base):
 
     def __repr__(self) -> str:
         return f"<ArchivedJob {self.job_id} {self.job_type!r} {self.status}>"
+
+
+class JobHistory(Base):
+    """An earlier end of a job put back in the queue by ``retry_failed``: its archive row's
+    outcome as it was, kept so that ``get_job`` and the dashboard still show it once the job
+    is queued (or archived) again. The archive keeps one row per job id, its last end;
+    ``prune_archive`` deletes a job's history with its archive row."""
+
+    __tablename__ = JOB_HISTORY_TABLE
+    __table_args__ = (_MYSQL_TABLE_ARGS,)
+
+    #: The order the ends were kept in.
+    seq: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer(), "sqlite"), primary_key=True, autoincrement=True
+    )
+    job_id: Mapped[uuid.UUID] = mapped_column(Uuid(), index=True)
+    status: Mapped[str] = mapped_column(String(16))
+    attempts: Mapped[int] = mapped_column(Integer())
+    finished_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    error: Mapped[str | None] = mapped_column(Text(), nullable=True)
+
+    def __repr__(self) -> str:
+        return f"<JobHistory {self.job_id} {self.status} attempts={self.attempts}>"
 
 
 class JobRun(Base):

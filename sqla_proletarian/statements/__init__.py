@@ -17,6 +17,7 @@ the one named place of its queries:
 
 from sqla_proletarian.statements.base import (
     ARCHIVE,
+    HISTORY,
     JOB,
     JOB_COLUMNS,
     PAUSED,
@@ -58,7 +59,13 @@ from sqla_proletarian.statements.finish import (
     end_runs,
     retry,
 )
-from sqla_proletarian.statements.housekeeping import archived_batch, delete_archived
+from sqla_proletarian.statements.housekeeping import (
+    archived_batch,
+    delete_archived,
+    delete_history,
+    history_of,
+    keep_failures,
+)
 from sqla_proletarian.statements.inspection import (
     claimed_runs,
     data_version,
@@ -108,6 +115,7 @@ __all__ = [
     "ARCHIVE",
     "DUE_AT",
     "ENQUEUED_COLUMNS",
+    "HISTORY",
     "JOB",
     "JOB_COLUMNS",
     "PAUSED",
@@ -127,6 +135,7 @@ __all__ = [
     "data_version",
     "delete_archived",
     "delete_failure",
+    "delete_history",
     "delete_job",
     "delete_job_and_runs",
     "due_job",
@@ -143,11 +152,13 @@ __all__ = [
     "finished_by_minute",
     "finished_counts",
     "held_jobs",
+    "history_of",
     "hold_owner",
     "insert_job",
     "insert_job_or_nothing",
     "insert_jobs",
     "jobs_by_id",
+    "keep_failures",
     "key_holder",
     "lease",
     "leased_jobs",

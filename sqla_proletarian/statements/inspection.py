@@ -28,7 +28,15 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 
 from sqla_proletarian.dialects import InsertOrNothing, PriorityScan
-from sqla_proletarian.statements.base import ARCHIVE, JOB, PAUSED, RUN, Statement, _any
+from sqla_proletarian.statements.base import (
+    ARCHIVE,
+    HISTORY,
+    JOB,
+    PAUSED,
+    RUN,
+    Statement,
+    _any,
+)
 from sqla_proletarian.statements.claim import _DUE_RUN_ORDERS
 from sqla_proletarian.statements.housekeeping import _BY_FINISHED_AT
 from sqla_proletarian.statements.leased import _LEASED, _LEASED_DUE_AT, _UNLEASED
@@ -323,4 +331,5 @@ def data_version() -> Statement:
 def probe_tables() -> list[Statement]:
     """Read no row of each library table, naming every column the models know: fails
     when a table or a column is missing (tables never installed, or not upgraded)."""
-    return [(select(table).where(false()), {}) for table in (JOB, ARCHIVE, RUN, PAUSED)]
+    tables = (JOB, ARCHIVE, RUN, PAUSED, HISTORY)
+    return [(select(table).where(false()), {}) for table in tables]
