@@ -64,7 +64,11 @@ class QueueStatus:
     became due (None when none is ready); ``succeeded_last_hour`` and
     ``failed_last_hour``: archived in the last hour; ``paused``: workers do not claim from
     it (``sp.pause_queue``); ``by_priority``: the queued jobs (ready, scheduled and running)
-    per priority, highest first; ``expired_leases``: the ready jobs whose lease expired.
+    per priority, highest first; ``expired_leases``: the ready jobs whose lease expired;
+    ``unhandled_job_types``: job types queued here whose last job archived in the last hour
+    failed because the worker's handlers did not know the type (``UnknownJobTypeError``),
+    with none of them succeeding since: what the archive can tell of the last worker's
+    handlers (a type no worker ran in the last hour is not flagged).
     """
 
     queue: str
@@ -77,6 +81,7 @@ class QueueStatus:
     paused: bool = False
     by_priority: dict[int, int] = field(default_factory=dict)
     expired_leases: int = 0
+    unhandled_job_types: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -147,6 +152,7 @@ def queue_status(bind: Engine | Connection, *, clock: Clock = utc_now) -> list[Q
             jobs = int(row.due) + int(row.scheduled) + int(row.leased) + int(row.expired)
             by_priority.setdefault(row.queue, {})[-int(row.run_order)] = jobs
         finished = {row.queue: row for row in conn.execute(*sql.finished_counts(now - RECENT))}
+        unhandled = _unhandled_types(conn, now - RECENT)
         paused = set(conn.execute(*sql.paused_names()).scalars())
         claimed = conn.execute(*sql.claimed_runs()).all()
         live = _live_owners(dialect, conn, {row.owner for row in claimed})
@@ -177,9 +183,24 @@ def queue_status(bind: Engine | Connection, *, clock: Clock = utc_now) -> list[Q
                     paused=queue in paused,
                     by_priority=dict(sorted(by_priority.get(queue, {}).items(), reverse=True)),
                     expired_leases=tally.expired,
+                    unhandled_job_types=unhandled.get(queue, ()),
                 )
             )
     return statuses
+
+
+def _unhandled_types(conn: Connection, since: datetime) -> dict[str, tuple[str, ...]]:
+    """Per queue, the job types queued there whose last job archived since ``since`` failed
+    because no handler knew the type (none succeeded after it)."""
+    found: dict[str, list[str]] = {}
+    for row in conn.execute(*sql.type_ends(since)):
+        if row.unknown_at is None or (
+            row.handled_at is not None and row.handled_at > row.unknown_at
+        ):
+            continue
+        if conn.execute(*sql.queued_of_type(row.queue, row.job_type)).first() is not None:
+            found.setdefault(row.queue, []).append(row.job_type)
+    return {queue: tuple(sorted(types)) for queue, types in found.items()}
 
 
 def failed_jobs(

@@ -78,8 +78,10 @@ from sqla_proletarian.statements.inspection import (
     paused_names,
     probe_tables,
     queue_counts,
+    queued_of_type,
     requeue_failed,
     requeue_keyed,
+    type_ends,
 )
 from sqla_proletarian.statements.leased import DUE_AT, leased_jobs, lock_to_cancel, request_cancel
 from sqla_proletarian.statements.leases import (
@@ -180,6 +182,7 @@ __all__ = [
     "queue_counts",
     "queued_job",
     "queued_jobs",
+    "queued_of_type",
     "reclaim",
     "release_leases",
     "release_owner",
@@ -195,5 +198,6 @@ __all__ = [
     "schedules",
     "start_runs",
     "start_schedule",
+    "type_ends",
     "used_locks",
 ]

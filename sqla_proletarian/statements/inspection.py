@@ -94,6 +94,42 @@ def finished_counts(since: datetime) -> Statement:
     return _FINISHED_COUNTS, {"since": since}
 
 
+#: How the archive's error of a job whose type no handler knew begins (``running.describe``).
+UNKNOWN_TYPE_ERROR = "sqla_proletarian.errors.UnknownJobTypeError: %"
+_UNKNOWN = (ARCHIVE.c.status == literal("failure", String(16))) & ARCHIVE.c.error.like(
+    literal(UNKNOWN_TYPE_ERROR)
+)
+_SUCCESS = ARCHIVE.c.status == literal("success", String(16))
+_TYPE_ENDS = (
+    select(
+        ARCHIVE.c.queue,
+        ARCHIVE.c.job_type,
+        func.max(case((_UNKNOWN, ARCHIVE.c.finished_at), else_=null())).label("unknown_at"),
+        func.max(case((_SUCCESS, ARCHIVE.c.finished_at), else_=null())).label("handled_at"),
+    )
+    .where(ARCHIVE.c.finished_at >= bindparam("since", type_=ARCHIVE.c.finished_at.type))
+    .group_by(ARCHIVE.c.queue, ARCHIVE.c.job_type)
+)
+
+
+def type_ends(since: datetime) -> Statement:
+    """Per queue and job type archived since ``since``: the last failure because no handler
+    knew the type, and the last success (a range of the ``finished_at`` index)."""
+    return _TYPE_ENDS, {"since": since}
+
+
+_QUEUED_OF_TYPE = (
+    select(JOB.c.job_id)
+    .where(JOB.c.queue == bindparam("queue"), JOB.c.job_type == bindparam("job_type"))
+    .limit(1)
+)
+
+
+def queued_of_type(queue: str, job_type: str) -> Statement:
+    """A row when a job of the type is queued in the queue."""
+    return _QUEUED_OF_TYPE, {"queue": queue, "job_type": job_type}
+
+
 #: Each run record's job, owner and queue, read from the ledger's side (a small table: one
 #: row per claimed job, plus dead workers' rows until their jobs are claimed again), each
 #: queue looked up by the job's unique id, so no planner starts from the job table.
