@@ -161,14 +161,14 @@ class Polling:
         self.options = options
         self.runner = runner
         self.scheduler = scheduler
+        #: The run of failed polls the pollers are in, if any (logged as one outage).
+        self.outage = Outage("transient-polling-error", worker_id=self.worker_id)
         #: Transaction mode: one idle poller at a time (the watcher) polls for all of them.
         #: Lease mode: each idle poller polls on its own.
         self.shared_idle = options.lease_seconds is None
         #: Short waits left after an in-process wake-up (the enqueue may not be visible yet).
         self.burst = 0
         self.watcher: object | None = None
-        #: The run of failed polls the pollers are in, if any (logged as one outage).
-        self.outage = Outage("transient-polling-error", worker_id=self.worker_id)
         self._current = current
         self._wake_all = wake_all
         self._listener = listener
