@@ -19,6 +19,7 @@ from sqla_proletarian.errors import (
 from sqla_proletarian.handlers import AsyncJobContext, JobContext, JobHandlers
 from sqla_proletarian.inspection import (
     JOB_STATES,
+    EarlierOutcome,
     FailedJob,
     FinishedMinute,
     JobDetail,
@@ -41,6 +42,7 @@ from sqla_proletarian.models import (
     DEFAULT_QUEUE,
     ArchivedJob,
     Job,
+    JobHistory,
     JobRun,
     include_object,
     metadata,
@@ -85,6 +87,7 @@ __all__ = [
     "AsyncJobContext",
     "AsyncQueueWorker",
     "ConfigurationError",
+    "EarlierOutcome",
     "FailedJob",
     "FinishedMinute",
     "InvalidJobError",
@@ -94,6 +97,7 @@ __all__ = [
     "JobCrashedError",
     "JobDetail",
     "JobHandlers",
+    "JobHistory",
     "JobInfo",
     "JobPage",
     "JobRun",

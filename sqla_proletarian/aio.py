@@ -18,9 +18,9 @@ import inspect
 import logging
 import threading
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import (
@@ -39,10 +39,26 @@ from sqla_proletarian.errors import ConfigurationError, NotATransactionError, Pr
 from sqla_proletarian.handlers import AsyncJobContext, JobContext, JobSession, StopSignal
 from sqla_proletarian.leases import LeaseRunner, LeaseSession, new_runner
 from sqla_proletarian.logs import log_event
-from sqla_proletarian.options import WorkerOptions
+from sqla_proletarian.options import (
+    DEFAULT_AWAIT_TERMINATION_TIMEOUT,
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_MAX_UNCLEAN_ENDS,
+    DEFAULT_POLLING_INTERVAL,
+    DEFAULT_RECONNECT_GRACE,
+    WorkerOptions,
+    stop_on_polling_error,
+)
+from sqla_proletarian.periodic import PeriodicJob
 from sqla_proletarian.polling import Backoff, Idle, Poll, Polling, Stop
 from sqla_proletarian.running import RUNNING_SIGNAL, Outcome, RunSettings
-from sqla_proletarian.values import DEFAULT_QUEUE
+from sqla_proletarian.serialization import DEFAULT_SERIALIZER, Serializer
+from sqla_proletarian.values import (
+    DEFAULT_PRIORITY,
+    DEFAULT_QUEUE,
+    Clock,
+    JobIdStrategy,
+    utc_now,
+)
 from sqla_proletarian.worker import _check_pool, scheduler_for
 
 #: Tasks running jobs at the same time.
@@ -99,7 +115,12 @@ async def enqueue_async(
     queue: str = DEFAULT_QUEUE,
     process_at: datetime | None = None,
     process_in: timedelta | float | None = None,
-    **options: Any,
+    priority: int = DEFAULT_PRIORITY,
+    unique_key: str | None = None,
+    job_id: uuid.UUID | None = None,
+    serializer: Serializer | None = None,
+    job_id_strategy: JobIdStrategy | None = None,
+    clock: Clock | None = None,
 ) -> uuid.UUID:
     """``enqueue()`` for asyncio: add a job to the caller's transaction; its id. Never commits.
 
@@ -116,7 +137,12 @@ async def enqueue_async(
         queue=queue,
         process_at=process_at,
         process_in=process_in,
-        **options,
+        priority=priority,
+        unique_key=unique_key,
+        job_id=job_id,
+        serializer=serializer,
+        job_id_strategy=job_id_strategy,
+        clock=clock,
     )
 
 
@@ -127,7 +153,11 @@ async def enqueue_many_async(
     queue: str = DEFAULT_QUEUE,
     process_at: datetime | None = None,
     process_in: timedelta | float | None = None,
-    **options: Any,
+    priority: int = DEFAULT_PRIORITY,
+    serializer: Serializer | None = None,
+    job_id_strategy: JobIdStrategy | None = None,
+    clock: Clock | None = None,
+    job_id: None = None,
 ) -> list[uuid.UUID]:
     """``enqueue_many()`` for asyncio: validate every job, insert them in the caller's
     transaction (an AsyncSession's or an AsyncConnection's), return their ids in order.
@@ -140,7 +170,11 @@ async def enqueue_many_async(
         queue=queue,
         process_at=process_at,
         process_in=process_in,
-        **options,
+        priority=priority,
+        serializer=serializer,
+        job_id_strategy=job_id_strategy,
+        clock=clock,
+        job_id=job_id,
     )
 
 
@@ -639,7 +673,28 @@ def create_async_queue_worker(
     handler: Callable[..., Any],
     *,
     concurrency: int = DEFAULT_CONCURRENCY,
-    **options: Any,
+    queue: str = DEFAULT_QUEUE,
+    queues: Sequence[str] = (),
+    polling_interval: float = DEFAULT_POLLING_INTERVAL,
+    retry_strategy: Callable[[AsyncJobContext, Exception], Any] | None = None,
+    failed_job_handler: Callable[[AsyncJobContext, Exception], Any] | None = None,
+    on_polling_error: Callable[[Exception], Any] = stop_on_polling_error,
+    handler_mode: Literal["default", "advanced"] = "default",
+    on_shutdown: Callable[[], Any] | None = None,
+    await_termination_timeout: float = DEFAULT_AWAIT_TERMINATION_TIMEOUT,
+    worker_id: str | None = None,
+    serializer: Serializer = DEFAULT_SERIALIZER,
+    clock: Clock = utc_now,
+    max_unclean_ends: int | None = DEFAULT_MAX_UNCLEAN_ENDS,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    poll_only: bool = False,
+    periodic_jobs: Sequence[PeriodicJob] = (),
+    reconnect_grace: float = DEFAULT_RECONNECT_GRACE,
+    lease_seconds: float | None = None,
+    heartbeat_interval: float | None = None,
+    job_timeout: float | None = None,
+    worker_threads: None = None,
+    install_signal_handlers: None = None,
 ) -> AsyncQueueWorker:
     """An AsyncQueueWorker for ``engine`` that runs ``handler``; ``await worker.start()``.
 
@@ -649,17 +704,13 @@ def create_async_queue_worker(
     time. The other options are the threaded worker's (see create_queue_worker), but for
     ``worker_threads`` and ``install_signal_handlers``; ``retry_strategy``,
     ``failed_job_handler``, ``on_polling_error`` and ``on_shutdown`` may be ``async def``.
+    ``worker_threads`` and ``install_signal_handlers`` are refused, saying what to do instead.
     """
+    given = locals()
     for name, advice in _NOT_IN_ASYNCIO.items():
-        if name in options:
+        if given[name] is not None:
             raise ConfigurationError(f"{name}: {advice}")
-    known = set(WorkerOptions.__dataclass_fields__) - set(_NOT_IN_ASYNCIO)
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise ConfigurationError(
-            f"unknown worker option(s) {', '.join(unknown)}; "
-            f"the options are {', '.join(sorted(known | {'concurrency'}))}"
-        )
-    return AsyncQueueWorker(
-        engine, handler, WorkerOptions.from_kwargs(options), _check_concurrency(concurrency)
+    options = WorkerOptions.from_parameters(
+        {name: value for name, value in given.items() if name not in _NOT_IN_ASYNCIO}
     )
+    return AsyncQueueWorker(engine, handler, options, _check_concurrency(concurrency))

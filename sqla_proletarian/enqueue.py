@@ -20,6 +20,7 @@ from sqla_proletarian.errors import (
     ProletarianError,
 )
 from sqla_proletarian.models import Job
+from sqla_proletarian.serialization import Serializer
 from sqla_proletarian.statements import insert_job, insert_jobs
 from sqla_proletarian.statements.enqueue import (
     DriverInsert,
@@ -31,6 +32,8 @@ from sqla_proletarian.unique import enqueue_unique
 from sqla_proletarian.values import (
     DEFAULT_PRIORITY,
     DEFAULT_QUEUE,
+    Clock,
+    JobIdStrategy,
     build_job_values,
     build_many_job_values,
 )
@@ -56,7 +59,10 @@ def enqueue(
     process_in: timedelta | float | None = None,
     priority: int = DEFAULT_PRIORITY,
     unique_key: str | None = None,
-    **options: Any,
+    job_id: uuid.UUID | None = None,
+    serializer: Serializer | None = None,
+    job_id_strategy: JobIdStrategy | None = None,
+    clock: Clock | None = None,
 ) -> uuid.UUID:
     """Add a job to the caller's transaction and return its id. Never commits.
 
@@ -71,8 +77,9 @@ def enqueue(
     is added and that job's id is returned; the key is free again once the job is archived,
     or when the transaction that took it rolls back. Such a job is inserted at once, also
     with a Session (through its connection, in its transaction; with an AsyncSession use
-    ``await sp.enqueue_async(...)``). Further keyword options: ``job_id``, ``serializer``,
-    ``job_id_strategy``, ``clock``.
+    ``await sp.enqueue_async(...)``). ``job_id``: the job's id (default: made by
+    ``job_id_strategy``, ``uuid4``); ``serializer``: how the payload is stored (JSON);
+    ``clock``: the time the job is enqueued at (``utc_now``).
     """
     given = session_or_connection
     session_or_connection = _sync_session_of(session_or_connection)
@@ -81,7 +88,10 @@ def enqueue(
         "process_at": process_at,
         "process_in": process_in,
         "priority": priority,
-        **options,
+        "job_id": job_id,
+        "serializer": serializer,
+        "job_id_strategy": job_id_strategy,
+        "clock": clock,
     }
     if unique_key is not None:
         if session_or_connection is not given and not isinstance(given, Session):
@@ -108,8 +118,8 @@ def enqueue(
         else:
             session_or_connection.exec_driver_sql(insert.statement, row_parameters(insert, values))
         wakeups.enqueued(session_or_connection, {queue})
-        job_id: uuid.UUID = values["job_id"]
-        return job_id
+        made: uuid.UUID = values["job_id"]
+        return made
     raise _not_a_transaction(session_or_connection, "enqueue")
 
 
@@ -126,7 +136,10 @@ def enqueue_many(
     process_at: datetime | None = None,
     process_in: timedelta | float | None = None,
     priority: int = DEFAULT_PRIORITY,
-    **options: Any,
+    serializer: Serializer | None = None,
+    job_id_strategy: JobIdStrategy | None = None,
+    clock: Clock | None = None,
+    job_id: None = None,
 ) -> list[uuid.UUID]:
     """Add many jobs, ``(job_type, payload)`` pairs or ``(job_type, payload, unique_key)``
     triples, to the caller's transaction; their ids in order. Never commits.
@@ -138,10 +151,10 @@ def enqueue_many(
     transaction, or the Connection's. A job with a
     unique key goes in with a statement of its own, as ``enqueue()`` would add it: where a
     job of the queue holds its key (one queued earlier, or one before it in ``jobs``), its id
-    is that job's. Further keyword options, for every job: ``serializer``,
-    ``job_id_strategy``, ``clock``.
+    is that job's. ``serializer``, ``job_id_strategy`` and ``clock`` apply to every job, as
+    for ``enqueue()``; ``job_id`` is refused (each job gets an id of its own).
     """
-    if "job_id" in options:
+    if job_id is not None:
         raise InvalidJobError(
             "job_id", "enqueue_many() makes one id per job; give job_id_strategy instead"
         )
@@ -151,7 +164,9 @@ def enqueue_many(
         process_at=process_at,
         process_in=process_in,
         priority=priority,
-        **options,
+        serializer=serializer,
+        job_id_strategy=job_id_strategy,
+        clock=clock,
     )
     connection = _connection_of(session_or_connection, "enqueue_many")
     plain = [row for row in rows if row["unique_key"] is None]

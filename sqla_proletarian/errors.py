@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Any
 
 from sqlalchemy import Connection
@@ -56,13 +57,21 @@ class ConfigurationError(ProletarianError, ValueError):
 
 
 class UnknownJobTypeError(ProletarianError, LookupError):
-    """A JobHandlers table has no handler for a job type and no default handler."""
+    """A JobHandlers table has no handler for a job type and no default handler.
 
-    def __init__(self, job_type: str) -> None:
+    No retry can succeed until a worker knows the type, so the worker archives the job as
+    failed at once, whatever the retry strategy says (``retry-failed`` puts it back once a
+    handler is registered). ``known_types`` are the job types the table handles."""
+
+    def __init__(self, job_type: str, known_types: Iterable[str] = ()) -> None:
         self.job_type = job_type
+        self.known_types = tuple(sorted(known_types))
+        known = ", ".join(repr(name) for name in self.known_types) or "none"
         super().__init__(
-            f"no handler is registered for job type {job_type!r}: register one with "
-            f"@handlers.register({job_type!r}) or add a catch-all with @handlers.default"
+            f"no handler is registered for job type {job_type!r} (known job types: "
+            f"{known}): register one with @handlers.register({job_type!r}) or add a "
+            "catch-all with @handlers.default, then `sqla-proletarian retry-failed` puts the "
+            "job back in its queue"
         )
 
 

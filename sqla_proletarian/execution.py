@@ -95,6 +95,7 @@ class _Claim:
     phase: Literal["claimed", "running", "committing"] = "claimed"
     #: Succeeded, and archived with the claim's other successes when it finishes.
     deferred: bool = False
+    #: When the claim was made, then when its handler started (time.monotonic()).
     started: float = field(default_factory=time.monotonic)
     #: The worker's clock when the job was claimed (for its queue lag).
     claimed_at: datetime | None = None
@@ -341,6 +342,7 @@ class JobRunner(RunnerBase):
                     # the commit.
                     break
                 claim.phase = "running"
+                claim.started = time.monotonic()
                 with telemetry.run_span(claim.job, claim.claimed_at) as run:
                     outcome, failure = self._run(conn, claim)
                     run.ended(outcome, failure[1] if failure else None)
@@ -371,7 +373,7 @@ class JobRunner(RunnerBase):
             self._in_flight.pop(in_flight, None)
         self._cancelled_at_claim(cancelled)
         for finished, outcome, failure in done:
-            self._finished(finished.job, outcome, failure)
+            self._finished(finished.job, outcome, failure, finished.started)
         return True
 
     def _finish_claim(
@@ -736,7 +738,6 @@ class JobRunner(RunnerBase):
                 self._archive(conn, job, "success", runs, None, with_runs=False)
             else:
                 claim.deferred = True
-            log_event(logging.DEBUG, "job-finished", **fields)
             return "succeeded", None
         finally:
             session.close()

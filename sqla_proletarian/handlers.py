@@ -293,7 +293,7 @@ class JobHandlers:
         """The function that handles ``job_type``; raises UnknownJobTypeError if none does."""
         handler = self._handlers.get(job_type, self._default)
         if handler is None:
-            raise UnknownJobTypeError(job_type)
+            raise UnknownJobTypeError(job_type, self._handlers)
         return handler
 
     def __contains__(self, job_type: object) -> bool:

@@ -31,6 +31,7 @@ __all__ = [
     "DEFAULT_FAILED_LIMIT",
     "DEFAULT_PAGE_SIZE",
     "JOB_STATES",
+    "EarlierOutcome",
     "FailedJob",
     "FinishedMinute",
     "JobDetail",
@@ -63,7 +64,11 @@ class QueueStatus:
     became due (None when none is ready); ``succeeded_last_hour`` and
     ``failed_last_hour``: archived in the last hour; ``paused``: workers do not claim from
     it (``sp.pause_queue``); ``by_priority``: the queued jobs (ready, scheduled and running)
-    per priority, highest first; ``expired_leases``: the ready jobs whose lease expired.
+    per priority, highest first; ``expired_leases``: the ready jobs whose lease expired;
+    ``unhandled_job_types``: job types queued here whose last job archived in the last hour
+    failed because the worker's handlers did not know the type (``UnknownJobTypeError``),
+    with none of them succeeding since: what the archive can tell of the last worker's
+    handlers (a type no worker ran in the last hour is not flagged).
     """
 
     queue: str
@@ -76,6 +81,7 @@ class QueueStatus:
     paused: bool = False
     by_priority: dict[int, int] = field(default_factory=dict)
     expired_leases: int = 0
+    unhandled_job_types: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -146,6 +152,7 @@ def queue_status(bind: Engine | Connection, *, clock: Clock = utc_now) -> list[Q
             jobs = int(row.due) + int(row.scheduled) + int(row.leased) + int(row.expired)
             by_priority.setdefault(row.queue, {})[-int(row.run_order)] = jobs
         finished = {row.queue: row for row in conn.execute(*sql.finished_counts(now - RECENT))}
+        unhandled = _unhandled_types(conn, now - RECENT)
         paused = set(conn.execute(*sql.paused_names()).scalars())
         claimed = conn.execute(*sql.claimed_runs()).all()
         live = _live_owners(dialect, conn, {row.owner for row in claimed})
@@ -176,9 +183,24 @@ def queue_status(bind: Engine | Connection, *, clock: Clock = utc_now) -> list[Q
                     paused=queue in paused,
                     by_priority=dict(sorted(by_priority.get(queue, {}).items(), reverse=True)),
                     expired_leases=tally.expired,
+                    unhandled_job_types=unhandled.get(queue, ()),
                 )
             )
     return statuses
+
+
+def _unhandled_types(conn: Connection, since: datetime) -> dict[str, tuple[str, ...]]:
+    """Per queue, the job types queued there whose last job archived since ``since`` failed
+    because no handler knew the type (none succeeded after it)."""
+    found: dict[str, list[str]] = {}
+    for row in conn.execute(*sql.type_ends(since)):
+        if row.unknown_at is None or (
+            row.handled_at is not None and row.handled_at > row.unknown_at
+        ):
+            continue
+        if conn.execute(*sql.queued_of_type(row.queue, row.job_type)).first() is not None:
+            found.setdefault(row.queue, []).append(row.job_type)
+    return {queue: tuple(sorted(types)) for queue, types in found.items()}
 
 
 def failed_jobs(
@@ -306,10 +328,23 @@ class JobInfo:
 
 
 @dataclass(frozen=True)
+class EarlierOutcome:
+    """An earlier end of a job that ``retry_failed`` put back in the queue: its archive row's
+    ``state`` (``failed``), ``attempts``, ``finished_at`` and ``error`` as they were."""
+
+    state: str
+    attempts: int
+    finished_at: datetime
+    error: str | None
+
+
+@dataclass(frozen=True)
 class JobDetail(JobInfo):
-    """One job with its payload (the stored text)."""
+    """One job with its payload (the stored text) and its ``history``: its earlier ends,
+    oldest first, each put back in the queue by ``retry_failed`` (empty for most jobs)."""
 
     payload: str
+    history: tuple[EarlierOutcome, ...] = field(default=(), kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -384,18 +419,24 @@ def list_jobs(
 def get_job(
     bind: Engine | Connection, job_id: uuid.UUID | str, *, clock: Clock = utc_now
 ) -> JobDetail | None:
-    """The job of this id, queued or archived, with its payload; None when there is none."""
+    """The job of this id, queued or archived, with its payload and its earlier ends (the
+    failures ``retry_failed`` put back); None when there is none."""
     try:
         wanted = job_id if isinstance(job_id, uuid.UUID) else uuid.UUID(job_id)
     except (TypeError, ValueError, AttributeError):
         raise ConfigurationError(f"{job_id!r} is not a job id; give a UUID") from None
     with _reading(bind, "get_job") as conn:
         row = conn.execute(*sql.queued_job(wanted)).one_or_none()
+        history = tuple(
+            EarlierOutcome(_STATE_OF_STATUS.get(end.status, end.status), *end[1:])
+            for end in conn.execute(*sql.history_of(wanted))
+        )
         if row is None:
             archived = conn.execute(*sql.archived_job(wanted)).one_or_none()
             if archived is None:
                 return None
-            return JobDetail(**vars(_archived_info(archived)), payload=archived.payload)
+            info = vars(_archived_info(archived))
+            return JobDetail(**info, payload=archived.payload, history=history)
         now = clock()
         owners = {run.owner for run in conn.execute(*sql.runs_of(wanted))}
         if row.lease_token is not None:
@@ -404,7 +445,8 @@ def get_job(
             state = "running"
         else:
             state = "ready" if row.process_at <= now else "scheduled"
-    return JobDetail(**vars(_queued_info(row, state, now)), payload=row.payload)
+    info = vars(_queued_info(row, state, now))
+    return JobDetail(**info, payload=row.payload, history=history)
 
 
 def finished_per_minute(

@@ -584,7 +584,7 @@ class LeaseRunner(RunnerBase):
                 self._forget(run)
             session.release()
         if outcome is not None and run.state != "done":
-            self._finished(job, outcome, failure)
+            self._finished(job, outcome, failure, run.started)
 
     def _handle(
         self,
@@ -666,7 +666,6 @@ class LeaseRunner(RunnerBase):
         if error is None:
             if not self._write(run, session, "success", None):
                 return None, None
-            log_event(logging.DEBUG, "job-finished", **fields)
             return "succeeded", None
         log_event(
             logging.WARNING,
@@ -707,8 +706,7 @@ class LeaseRunner(RunnerBase):
         kept, cancelled = ended
         for run in runs:
             if run.job_id in kept:
-                log_event(logging.DEBUG, "job-finished", **self._fields(run.job))
-                self._finished(run.job, "succeeded", None)
+                self._finished(run.job, "succeeded", None, run.started)
             elif run.job_id in cancelled:
                 self._log_cancelled(run)
             else:

@@ -64,7 +64,8 @@ def prune_archive(
     ``status`` ("success", "failure" or "cancelled") narrows it to jobs that ended that way.
     Rows go in transactions of at most ``batch_size`` that each commit on their own, oldest
     first, until a batch comes back short; workers archive meanwhile without waiting. A job
-    archived again since its batch was read (its id enqueued anew) is kept. If a batch fails,
+    archived again since its batch was read (its id enqueued anew) is kept. A pruned job's
+    history (its earlier failures, kept by ``retry_failed``) goes with it. If a batch fails,
     the batches before it stay deleted: call it again. Logs ``archive-pruned`` with the count.
     """
     _check_engine(engine)
@@ -87,6 +88,8 @@ def prune_archive(
                 job_ids = [row.job_id for row in rows]
                 result = conn.execute(*sql.delete_archived(job_ids, cutoff, status=status))
                 deleted += result.rowcount
+                if result.rowcount:
+                    conn.execute(*sql.delete_history(job_ids))
             conn.commit()
             batches += 1
             if len(rows) < batch_size:
@@ -190,8 +193,10 @@ def retry_failed(
 
     Each keeps its ``job_id`` and its ``unique_key``, and starts again from zero attempts;
     its archive row goes in the same transaction, so the archive shows the job again only
-    once it has ended anew. A failure whose unique key another queued (or running) job of
-    its queue holds now stays archived as it is, is not counted, and is logged as
+    once it has ended anew. The failure is kept in the job's history (status, attempts,
+    finished_at and error): ``get_job(...).history`` and the dashboard's job page show it.
+    A failure whose unique key another queued (or running) job of its queue holds now stays
+    archived as it is, is not counted, and is logged as
     ``retry-key-held`` (``retry_failed_report`` lists them): retry it once that job is done.
     ``job_ids=None`` means every failure of ``queue`` and ``job_type`` (both optional).
     Ids that are not archived failures, or that are queued right now, are skipped.
@@ -304,9 +309,10 @@ def _retry_batch(
     unkeyed = [row for row in rows if row.unique_key is None]
     if unkeyed:
         found = [row.job_id for row in unkeyed]
+        kept = conn.execute(*sql.keep_failures(found)).rowcount
         statements = sql.requeue_failed(found, now, returning=dialect.deletes_runs_with_job)
         counts = [conn.execute(*statement).rowcount for statement in statements]
-        _check_moved(counts)
+        _check_moved([*counts, kept])
         moved += counts[0]
         queues.update(row.queue for row in unkeyed)
     for row in rows:
@@ -314,7 +320,8 @@ def _retry_batch(
             continue
         statement = sql.requeue_keyed(row.job_id, now, dialect.insert_or_nothing)
         if insert_or_nothing(conn, dialect, statement, UNIQUE_KEY_INDEX):
-            _check_moved([1, conn.execute(*sql.delete_failure(row.job_id)).rowcount])
+            kept = conn.execute(*sql.keep_failures([row.job_id])).rowcount
+            _check_moved([1, conn.execute(*sql.delete_failure(row.job_id)).rowcount, kept])
             moved += 1
             queues.add(row.queue)
             continue
@@ -334,11 +341,13 @@ def _retry_batch(
 
 
 def _check_moved(counts: list[int]) -> None:
-    """The jobs queued and the archive rows removed must be as many."""
+    """The jobs queued, the archive rows removed (where a statement of its own removes
+    them) and the failures kept in the history must be as many."""
     if len(set(counts)) != 1:
         raise ProletarianError(
-            f"retry_failed() queued {counts[0]} jobs but removed {counts[1]} archive rows: "
-            "something changed the archive meanwhile; roll back and try again"
+            f"retry_failed() queued {counts[0]} jobs but removed or kept "
+            f"{', '.join(map(str, counts[1:]))} archive rows: something changed the archive "
+            "meanwhile; roll back and try again"
         )
 
 

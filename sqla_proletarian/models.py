@@ -26,14 +26,22 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.schema import SchemaItem
 
 from sqla_proletarian.errors import InvalidJobError
+from sqla_proletarian.serialization import Serializer
 from sqla_proletarian.types import UTCDateTime, name_type, payload_type
-from sqla_proletarian.values import DEFAULT_PRIORITY, DEFAULT_QUEUE, build_job_values
+from sqla_proletarian.values import (
+    DEFAULT_PRIORITY,
+    DEFAULT_QUEUE,
+    Clock,
+    JobIdStrategy,
+    build_job_values,
+)
 
 __all__ = [
     "DEFAULT_QUEUE",
     "ArchivedJob",
     "Base",
     "Job",
+    "JobHistory",
     "JobRun",
     "PausedQueue",
     "PeriodicSchedule",
@@ -46,6 +54,7 @@ ARCHIVED_JOB_TABLE = "proletarian_archived_job"
 JOB_RUN_TABLE = "proletarian_job_run"
 PERIODIC_TABLE = "proletarian_periodic"
 PAUSED_QUEUE_TABLE = "proletarian_paused_queue"
+JOB_HISTORY_TABLE = "proletarian_job_history"
 #: The unique index that lets one queued job hold a ``unique_key`` in its queue.
 UNIQUE_KEY_INDEX = "ix_proletarian_job_unique_key"
 
@@ -166,15 +175,19 @@ class Job(Base):
         process_at: datetime | None = None,
         process_in: timedelta | float | None = None,
         priority: int = DEFAULT_PRIORITY,
-        **options: Any,
+        job_id: uuid.UUID | None = None,
+        serializer: Serializer | None = None,
+        job_id_strategy: JobIdStrategy | None = None,
+        clock: Clock | None = None,
+        unique_key: None = None,
     ) -> None:
         """Validate and fill a job exactly as ``enqueue()`` does; a bad job fails here.
 
-        Further keyword options: ``job_id``, ``serializer``, ``job_id_strategy``, ``clock``.
+        ``job_id``, ``serializer``, ``job_id_strategy`` and ``clock`` as for ``enqueue()``.
         A ``unique_key`` is refused: a flush could not hand back the id of the job holding
         the key, so such jobs go through ``sp.enqueue(session, ..., unique_key=...)``.
         """
-        if options.get("unique_key") is not None:
+        if unique_key is not None:
             raise InvalidJobError(
                 "unique_key",
                 "a Job added to a Session cannot return the id of the job that already holds "
@@ -188,7 +201,10 @@ class Job(Base):
             process_at=process_at,
             process_in=process_in,
             priority=priority,
-            **options,
+            job_id=job_id,
+            serializer=serializer,
+            job_id_strategy=job_id_strategy,
+            clock=clock,
         )
         super().__init__(**values)
 
@@ -265,6 +281,29 @@ class ArchivedJob(Base):
 
     def __repr__(self) -> str:
         return f"<ArchivedJob {self.job_id} {self.job_type!r} {self.status}>"
+
+
+class JobHistory(Base):
+    """An earlier end of a job put back in the queue by ``retry_failed``: its archive row's
+    outcome as it was, kept so that ``get_job`` and the dashboard still show it once the job
+    is queued (or archived) again. The archive keeps one row per job id, its last end;
+    ``prune_archive`` deletes a job's history with its archive row."""
+
+    __tablename__ = JOB_HISTORY_TABLE
+    __table_args__ = (_MYSQL_TABLE_ARGS,)
+
+    #: The order the ends were kept in.
+    seq: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer(), "sqlite"), primary_key=True, autoincrement=True
+    )
+    job_id: Mapped[uuid.UUID] = mapped_column(Uuid(), index=True)
+    status: Mapped[str] = mapped_column(String(16))
+    attempts: Mapped[int] = mapped_column(Integer())
+    finished_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    error: Mapped[str | None] = mapped_column(Text(), nullable=True)
+
+    def __repr__(self) -> str:
+        return f"<JobHistory {self.job_id} {self.status} attempts={self.attempts}>"
 
 
 class JobRun(Base):

@@ -34,7 +34,7 @@ MAX_BATCH_SIZE = 1000
 PollingErrorHandler = Callable[[Exception], object]
 
 
-def _stop_on_polling_error(exc: Exception) -> bool:
+def stop_on_polling_error(exc: Exception) -> bool:
     """The default polling-error handler: stop, as the original does."""
     return True
 
@@ -51,7 +51,7 @@ class WorkerOptions:
     polling_interval: float = DEFAULT_POLLING_INTERVAL
     retry_strategy: RetryStrategyFn | None = None
     failed_job_handler: FailedJobHandler | None = None
-    on_polling_error: PollingErrorHandler = _stop_on_polling_error
+    on_polling_error: PollingErrorHandler = stop_on_polling_error
     handler_mode: Literal["default", "advanced"] = "default"
     install_signal_handlers: bool = False
     on_shutdown: Callable[[], object] | None = None
@@ -111,6 +111,12 @@ class WorkerOptions:
     def queue_names(self) -> str:
         """The queues as names and logs show them: comma-separated, in claim order."""
         return ",".join(self.queues)
+
+    @classmethod
+    def from_parameters(cls, given: dict[str, Any]) -> WorkerOptions:
+        """Build options from a creator's keyword parameters (its ``locals()``, whose
+        names are the options' own), leaving out what is not an option."""
+        return cls(**{name: given[name] for name in cls.__dataclass_fields__ if name in given})
 
     @classmethod
     def from_kwargs(cls, options: dict[str, Any]) -> WorkerOptions:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from sqla_proletarian import wakeups
 from sqla_proletarian.errors import is_transient, polling_error_hint, transient_hint
 from sqla_proletarian.leases import LeaseRunner
-from sqla_proletarian.logs import log_event
+from sqla_proletarian.logs import Outage, log_event
 
 if TYPE_CHECKING:
     from sqlalchemy import Connection
@@ -60,17 +60,11 @@ def next_backoff(previous: float) -> float:
     return min(MAX_TRANSIENT_BACKOFF, max(MIN_TRANSIENT_BACKOFF, previous * 2))
 
 
-def transient_backoff(worker_id: str, exc: Exception, backoff: float) -> tuple[float, float]:
-    """Log a transient polling error; the next backoff, and the jittered pause to take now."""
+def transient_backoff(outage: Outage, exc: Exception, backoff: float) -> tuple[float, float]:
+    """Count a transient polling error in the worker's outage (which logs it, or not); the
+    next backoff, and the jittered pause to take now."""
     backoff = next_backoff(backoff)
-    log_event(
-        logging.WARNING,
-        "transient-polling-error",
-        worker_id=worker_id,
-        error=repr(exc),
-        retry_in=round(backoff, 3),
-        hint=transient_hint(exc),
-    )
+    outage.failed(exc, transient_hint(exc), retry_in=round(backoff, 3))
     return backoff, backoff * random.uniform(0.5, 1.0)
 
 
@@ -170,6 +164,8 @@ class Polling:
         self.options = options
         self.runner = runner
         self.scheduler = scheduler
+        #: The run of failed polls the pollers are in, if any (logged as one outage).
+        self.outage = Outage("transient-polling-error", worker_id=self.worker_id)
         #: Transaction mode: one idle poller at a time (the watcher) polls for all of them.
         #: Lease mode: each idle poller polls on its own.
         self.shared_idle = options.lease_seconds is None
@@ -306,11 +302,16 @@ class _Poller:
         """After a failed poll: back off if the error is transient; else stop, or wait
         ``pause()``, as on_polling_error says."""
         if is_transient(exc):
-            self.backoff, wait = transient_backoff(self.polling.worker_id, exc, self.backoff)
+            self.backoff, wait = transient_backoff(self.polling.outage, exc, self.backoff)
             return Backoff(wait)
         if self.polling.polling_error(exc):
             return Stop(exc)
         return Idle(pause())
+
+    def _succeeded(self) -> None:
+        """A poll worked: the backoff starts again from the minimum; an outage is over."""
+        self.backoff = 0.0
+        self.polling.outage.ended()
 
 
 class Poll(_Poller):
@@ -335,7 +336,7 @@ class Poll(_Poller):
         except Exception as exc:
             self._close()
             return self._failed(exc, polling.own_pause)
-        self.backoff = 0.0
+        self._succeeded()
         return decision
 
     def end(self) -> None:
@@ -377,7 +378,7 @@ class Feed(_Poller):
         except Exception as exc:
             connections.close()
             return self._failed(exc, lambda: polling.options.polling_interval)
-        self.backoff = 0.0
+        self._succeeded()
         if claimed and feeder.room():
             return RAN  # a thread is still free: claim again now
         return Idle(pause)

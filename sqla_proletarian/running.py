@@ -29,9 +29,13 @@ from sqlalchemy.orm import Session
 from sqla_proletarian import direct, ledger, turns
 from sqla_proletarian import statements as sql
 from sqla_proletarian.dialects import PriorityScan, dialect_of
-from sqla_proletarian.errors import PayloadDeserializationError, ProletarianError
+from sqla_proletarian.errors import (
+    PayloadDeserializationError,
+    ProletarianError,
+    UnknownJobTypeError,
+)
 from sqla_proletarian.handlers import JobContext, StopSignal
-from sqla_proletarian.logs import log_event
+from sqla_proletarian.logs import finished_logger, log_event, log_to
 from sqla_proletarian.retry import RetryStrategy, as_retry_strategy
 from sqla_proletarian.serialization import Serializer
 from sqla_proletarian.values import Clock, check_aware
@@ -278,9 +282,19 @@ class RunnerBase:
     def _retry_at(
         self, job: dict[str, Any], context: JobContext, exc: Exception
     ) -> tuple[datetime | None, int]:
-        """When a failed run's job runs again (None: it fails for good), and retries left."""
+        """When a failed run's job runs again (None: it fails for good), and retries left.
+        A job type no handler knows fails for good at once: no retry could succeed, so the
+        retry strategy is not asked."""
         attempt = attempt_of(job)
         fields = self._fields(job)
+        if isinstance(exc, UnknownJobTypeError):
+            log_event(
+                logging.INFO,
+                "not-retrying",
+                **fields,
+                hint="no handler knows the job type; a retry could not succeed",
+            )
+            return None, 0
         strategy = self._strategy(job, context, exc)
         try:
             left = strategy.retries_left(attempt) if strategy is not None else 0
@@ -317,11 +331,24 @@ class RunnerBase:
             )
             return None
 
-    def _finished(self, job: dict[str, Any], outcome: Outcome, failure: Failure | None) -> None:
-        """After the commit: count the outcome, log a failure for good (``job-failed``, with
-        the traceback the archive keeps) and call the failed-job handler."""
+    def _finished(
+        self,
+        job: dict[str, Any],
+        outcome: Outcome,
+        failure: Failure | None,
+        started: float | None = None,
+    ) -> None:
+        """After the commit: count the outcome; log a success (``job-finished``, with the
+        seconds since its handler started, ``started`` by ``time.monotonic()``) or a failure
+        for good (``job-failed``, with the traceback the archive keeps) and call the
+        failed-job handler."""
         if self._on_outcome is not None:
             self._on_outcome(outcome)
+        if outcome == "succeeded":
+            seconds = None if started is None else round(time.monotonic() - started, 3)
+            log_to(
+                finished_logger, logging.INFO, "job-finished", **self._fields(job), seconds=seconds
+            )
         if failure is None:
             return
         context, exc = failure

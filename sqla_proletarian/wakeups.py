@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import select
 import threading
 import weakref
@@ -31,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection, Engine, event
 from sqlalchemy.pool import ConnectionPoolEntry
 
-from sqla_proletarian.logs import log_event
+from sqla_proletarian.logs import Outage
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -128,6 +127,8 @@ class _Listening:
         #: The queues, in the worker's order, as logs and thread names show them.
         self.name = ",".join(queues)
         self.wake = wake
+        #: Its connection's failures, logged as one outage until it listens again.
+        self.outage = Outage("listen-error", queue=self.name)
         #: True while LISTEN is in effect: a commit then wakes the worker (see ``_listening``).
         self.listening = False
 
@@ -139,6 +140,8 @@ class _Listening:
     def _listening(self, listening: bool) -> None:
         """Note whether LISTEN is in effect, waking the worker at each change: it polls once
         for what was committed while nobody listened, and paces its polls to match."""
+        if listening:
+            self.outage.ended()
         if listening != self.listening:
             self.listening = listening
             self.wake()
@@ -182,7 +185,7 @@ class Listener(_Listening):
             except Exception as exc:
                 if self._stop.is_set():
                     return
-                log_event(logging.WARNING, "listen-error", queue=self.name, error=repr(exc))
+                self.outage.failed(exc)
                 self._stop.wait(backoff)
                 backoff = min(5.0, backoff * 2)
 
@@ -248,7 +251,7 @@ class AsyncListener(_Listening):
             try:
                 await self._listen()
             except Exception as exc:
-                log_event(logging.WARNING, "listen-error", queue=self.name, error=repr(exc))
+                self.outage.failed(exc)
                 await asyncio.sleep(backoff)
                 backoff = min(5.0, backoff * 2)
 

@@ -11,9 +11,9 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import FrameType
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy import Engine
 from sqlalchemy.pool import QueuePool
@@ -33,9 +33,11 @@ from sqla_proletarian.options import (
     DEFAULT_RECONNECT_GRACE,
     DEFAULT_WORKER_THREADS,
     MAX_BATCH_SIZE,
+    PollingErrorHandler,
     WorkerOptions,
+    stop_on_polling_error,
 )
-from sqla_proletarian.periodic import Scheduler
+from sqla_proletarian.periodic import PeriodicJob, Scheduler
 from sqla_proletarian.polling import (
     LISTENING_POLL_INTERVAL,
     Backoff,
@@ -45,7 +47,9 @@ from sqla_proletarian.polling import (
     Polling,
     Stop,
 )
-from sqla_proletarian.running import Outcome
+from sqla_proletarian.running import FailedJobHandler, Outcome, RetryStrategyFn
+from sqla_proletarian.serialization import DEFAULT_SERIALIZER, Serializer
+from sqla_proletarian.values import DEFAULT_QUEUE, Clock, utc_now
 
 #: The worker's own names, and those of its options (module ``options``) and exit status
 #: (module ``exits``), which are named here too.
@@ -613,7 +617,33 @@ def _require_main_thread() -> None:
         )
 
 
-def create_queue_worker(engine: Engine, handler: Callable[..., Any], **options: Any) -> QueueWorker:
+def create_queue_worker(
+    engine: Engine,
+    handler: Callable[..., Any],
+    *,
+    queue: str = DEFAULT_QUEUE,
+    queues: Sequence[str] = (),
+    worker_threads: int = DEFAULT_WORKER_THREADS,
+    polling_interval: float = DEFAULT_POLLING_INTERVAL,
+    retry_strategy: RetryStrategyFn | None = None,
+    failed_job_handler: FailedJobHandler | None = None,
+    on_polling_error: PollingErrorHandler = stop_on_polling_error,
+    handler_mode: Literal["default", "advanced"] = "default",
+    install_signal_handlers: bool = False,
+    on_shutdown: Callable[[], object] | None = None,
+    await_termination_timeout: float = DEFAULT_AWAIT_TERMINATION_TIMEOUT,
+    worker_id: str | None = None,
+    serializer: Serializer = DEFAULT_SERIALIZER,
+    clock: Clock = utc_now,
+    max_unclean_ends: int | None = DEFAULT_MAX_UNCLEAN_ENDS,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    poll_only: bool = False,
+    periodic_jobs: Sequence[PeriodicJob] = (),
+    reconnect_grace: float = DEFAULT_RECONNECT_GRACE,
+    lease_seconds: float | None = None,
+    heartbeat_interval: float | None = None,
+    job_timeout: float | None = None,
+) -> QueueWorker:
     """A QueueWorker for ``engine`` that runs ``handler``; call ``.start()`` to begin.
 
     Options: ``queue`` ("default") or ``queues`` (several queue names, claimed in the order
@@ -654,7 +684,7 @@ def create_queue_worker(engine: Engine, handler: Callable[..., Any], **options: 
     handlers, flush logging and end the process by the signal; a second signal ends it at
     once.
     """
-    return QueueWorker(engine, handler, WorkerOptions.from_kwargs(options))
+    return QueueWorker(engine, handler, WorkerOptions.from_parameters(locals()))
 
 
 def process_next_job(engine: Engine, handler: Callable[..., Any], **options: Any) -> bool:

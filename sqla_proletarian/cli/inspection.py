@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import uuid
 from dataclasses import asdict
 from datetime import datetime
@@ -73,6 +74,15 @@ def status(args: argparse.Namespace) -> int:
         for q in queues
     ]
     print("\n".join(_table(header, table)))
+    for q in queues:
+        for job_type in q.unhandled_job_types:
+            print(
+                f"warning: queue {q.queue!r} holds jobs of type {job_type!r}, which the "
+                "handlers of the last worker to run one did not know (archived as failed "
+                "with UnknownJobTypeError): register a handler for it, then "
+                f"`{PROG} retry-failed --all --job-type {job_type}`",
+                file=sys.stderr,
+            )
     return EXIT_OK
 
 

@@ -11,8 +11,9 @@ later edits of the models. A release that changes the schema adds a revision and
 it: ``create_tables`` is ``sqlap_0001``; ``add_run_owners`` and ``add_enqueue_notifications``
 are ``sqlap_0002``; ``add_trace_context`` is ``sqlap_0003``; ``add_job_control`` is
 ``sqlap_0004``; ``add_archived_unique_key`` is ``sqlap_0005``; ``add_leases`` is
-``sqlap_0006``; ``add_uncharged_runs`` is ``sqlap_0007``. A single-head project calls
-each new helper from a new revision of its own, in that order.
+``sqlap_0006``; ``add_uncharged_runs`` is ``sqlap_0007``; ``add_job_history`` is
+``sqlap_0008``. A single-head project calls each new helper from a new revision of its own,
+in that order.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ __all__ = [
     "add_archived_unique_key",
     "add_enqueue_notifications",
     "add_job_control",
+    "add_job_history",
     "add_leases",
     "add_run_owners",
     "add_trace_context",
@@ -45,6 +47,7 @@ __all__ = [
     "drop_archived_unique_key",
     "drop_enqueue_notifications",
     "drop_job_control",
+    "drop_job_history",
     "drop_leases",
     "drop_run_owners",
     "drop_tables",
@@ -63,7 +66,7 @@ BRANCH_LABEL = "sqla_proletarian"
 INITIAL_REVISION = "sqlap_0001"
 
 #: The newest revision of the library's branch.
-HEAD_REVISION = "sqlap_0007"
+HEAD_REVISION = "sqlap_0008"
 
 #: Each library revision, oldest first, with the helpers that make its schema change (called
 #: in this order from ``upgrade()``) and those that undo it (from ``downgrade()``): what
@@ -80,6 +83,7 @@ REVISION_HELPERS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("sqlap_0005", ("add_archived_unique_key",), ("drop_archived_unique_key",)),
     ("sqlap_0006", ("add_leases",), ("drop_leases",)),
     ("sqlap_0007", ("add_uncharged_runs",), ("drop_uncharged_runs",)),
+    ("sqlap_0008", ("add_job_history",), ("drop_job_history",)),
 )
 
 # Table names are spelled out (not imported from the models) so the revision stays as written.
@@ -89,6 +93,7 @@ _JOB_RUN = "proletarian_job_run"
 _TABLES = (_JOB, _ARCHIVED_JOB, _JOB_RUN)
 _PERIODIC = "proletarian_periodic"
 _PAUSED_QUEUE = "proletarian_paused_queue"
+_JOB_HISTORY = "proletarian_job_history"
 _POLL_INDEX = "ix_proletarian_job_poll"
 _UNIQUE_KEY_INDEX = "ix_proletarian_job_unique_key"
 
@@ -388,3 +393,27 @@ def drop_uncharged_runs(op: Operations | ModuleType | None = None) -> None:
     """Undo :func:`add_uncharged_runs`: queued jobs stay, each ``attempts`` as it is."""
     ops = _operations(op)
     ops.drop_column(_JOB, "uncharged_runs")
+
+
+def add_job_history(op: Operations | ModuleType | None = None) -> None:
+    """Keep the earlier ends of jobs put back in the queue (``sqlap_0008``): a table of
+    their archive rows' outcomes, by job id. Nothing else changes; it starts empty."""
+    ops = _operations(op)
+    ops.create_table(
+        _JOB_HISTORY,
+        sa.Column("seq", _sequence(), autoincrement=True, nullable=False),
+        sa.Column("job_id", sa.Uuid(), nullable=False),
+        sa.Column("status", sa.String(16), nullable=False),
+        sa.Column("attempts", sa.Integer(), nullable=False),
+        sa.Column("finished_at", _timestamp(), nullable=False),
+        sa.Column("error", sa.Text(), nullable=True),
+        sa.PrimaryKeyConstraint("seq", name=ops.f("pk_proletarian_job_history")),
+        **_MYSQL_TABLE_OPTIONS,
+    )
+    ops.create_index(ops.f("ix_proletarian_job_history_job_id"), _JOB_HISTORY, ["job_id"])
+
+
+def drop_job_history(op: Operations | ModuleType | None = None) -> None:
+    """Undo :func:`add_job_history`: the earlier ends it kept are gone."""
+    ops = _operations(op)
+    ops.drop_table(_JOB_HISTORY)

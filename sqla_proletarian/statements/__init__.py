@@ -17,6 +17,7 @@ the one named place of its queries:
 
 from sqla_proletarian.statements.base import (
     ARCHIVE,
+    HISTORY,
     JOB,
     JOB_COLUMNS,
     PAUSED,
@@ -59,7 +60,13 @@ from sqla_proletarian.statements.finish import (
     end_runs,
     retry,
 )
-from sqla_proletarian.statements.housekeeping import archived_batch, delete_archived
+from sqla_proletarian.statements.housekeeping import (
+    archived_batch,
+    delete_archived,
+    delete_history,
+    history_of,
+    keep_failures,
+)
 from sqla_proletarian.statements.inspection import (
     claimed_runs,
     data_version,
@@ -72,8 +79,10 @@ from sqla_proletarian.statements.inspection import (
     paused_names,
     probe_tables,
     queue_counts,
+    queued_of_type,
     requeue_failed,
     requeue_keyed,
+    type_ends,
 )
 from sqla_proletarian.statements.leased import DUE_AT, leased_jobs, lock_to_cancel, request_cancel
 from sqla_proletarian.statements.leases import (
@@ -110,6 +119,7 @@ __all__ = [
     "ARCHIVE",
     "DUE_AT",
     "ENQUEUED_COLUMNS",
+    "HISTORY",
     "JOB",
     "JOB_COLUMNS",
     "PAUSED",
@@ -130,6 +140,7 @@ __all__ = [
     "data_version",
     "delete_archived",
     "delete_failure",
+    "delete_history",
     "delete_job",
     "delete_job_and_runs",
     "due_job",
@@ -147,11 +158,13 @@ __all__ = [
     "finished_counts",
     "first_entry",
     "held_jobs",
+    "history_of",
     "hold_owner",
     "insert_job",
     "insert_job_or_nothing",
     "insert_jobs",
     "jobs_by_id",
+    "keep_failures",
     "key_holder",
     "lease",
     "leased_jobs",
@@ -173,6 +186,7 @@ __all__ = [
     "queue_counts",
     "queued_job",
     "queued_jobs",
+    "queued_of_type",
     "reclaim",
     "release_leases",
     "release_owner",
@@ -188,5 +202,6 @@ __all__ = [
     "schedules",
     "start_runs",
     "start_schedule",
+    "type_ends",
     "used_locks",
 ]

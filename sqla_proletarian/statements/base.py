@@ -18,13 +18,21 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.sql.elements import BindParameter
 from sqlalchemy.sql.selectable import Alias
 
-from sqla_proletarian.models import ArchivedJob, Job, JobRun, PausedQueue, PeriodicSchedule
+from sqla_proletarian.models import (
+    ArchivedJob,
+    Job,
+    JobHistory,
+    JobRun,
+    PausedQueue,
+    PeriodicSchedule,
+)
 
 JOB = Job.__table__
 ARCHIVE = cast(Table, ArchivedJob.__table__)
 RUN = cast(Table, JobRun.__table__)
 PERIODIC = cast(Table, PeriodicSchedule.__table__)
 PAUSED = cast(Table, PausedQueue.__table__)
+HISTORY = cast(Table, JobHistory.__table__)
 
 #: The columns a claimed job is read with, in order.
 JOB_COLUMNS = (

@@ -1,4 +1,5 @@
-"""Archive housekeeping: pruning finished jobs in batches."""
+"""Archive housekeeping: pruning finished jobs in batches, and the history of the failures
+put back in the queue (kept by ``retry_failed``, read by ``get_job``, pruned with the job)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,15 @@ from sqlalchemy import (
     BigInteger,
     Executable,
     Select,
+    String,
     bindparam,
     delete,
+    insert,
+    literal,
     select,
 )
 
-from sqla_proletarian.statements.base import ARCHIVE, Statement
+from sqla_proletarian.statements.base import ARCHIVE, HISTORY, JOB, Statement
 
 #: MySQL and MariaDB would rather scan the table and sort when a status filter matches many
 #: rows; batch after batch, the index reads each old row once.
@@ -75,3 +79,49 @@ def delete_archived(
     if status is not None:
         params["status"] = status
     return _delete_archived(status is not None), params
+
+
+#: What the history keeps of an archive row.
+_KEPT = ("job_id", "status", "attempts", "finished_at", "error")
+_KEEP_FAILURES = (
+    insert(HISTORY)
+    .from_select(
+        _KEPT,
+        select(*(ARCHIVE.c[name] for name in _KEPT)).where(
+            ARCHIVE.c.job_id.in_(bindparam("job_ids", expanding=True)),
+            ARCHIVE.c.status == literal("failure", String(16)),
+        ),
+    )
+    .execution_options(preserve_rowcount=True)
+)
+
+
+def keep_failures(job_ids: list[uuid.UUID]) -> Statement:
+    """Copy the archived failures of ``job_ids`` into the history, before ``retry_failed``
+    removes their archive rows; the row count is the number kept."""
+    return _KEEP_FAILURES, {"job_ids": job_ids}
+
+
+_HISTORY_OF = (
+    select(HISTORY.c.status, HISTORY.c.attempts, HISTORY.c.finished_at, HISTORY.c.error)
+    .where(HISTORY.c.job_id == bindparam("job_id"))
+    .order_by(HISTORY.c.seq)
+)
+
+
+def history_of(job_id: uuid.UUID) -> Statement:
+    """The earlier ends of a job, oldest first (by the history's job-id index)."""
+    return _HISTORY_OF, {"job_id": job_id}
+
+
+_DELETE_HISTORY = delete(HISTORY).where(
+    HISTORY.c.job_id.in_(bindparam("job_ids", expanding=True)),
+    ~select(ARCHIVE.c.job_id).where(ARCHIVE.c.job_id == HISTORY.c.job_id).exists(),
+    ~select(JOB.c.job_id).where(JOB.c.job_id == HISTORY.c.job_id).exists(),
+)
+
+
+def delete_history(job_ids: list[uuid.UUID]) -> Statement:
+    """Delete the history of pruned jobs: those of ``job_ids`` neither archived nor queued
+    now (one put back or archived again since its batch was read keeps its history)."""
+    return _DELETE_HISTORY, {"job_ids": job_ids}

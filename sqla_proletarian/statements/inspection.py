@@ -28,7 +28,15 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 
 from sqla_proletarian.dialects import InsertOrNothing
-from sqla_proletarian.statements.base import ARCHIVE, JOB, PAUSED, RUN, Statement, _any
+from sqla_proletarian.statements.base import (
+    ARCHIVE,
+    HISTORY,
+    JOB,
+    PAUSED,
+    RUN,
+    Statement,
+    _any,
+)
 from sqla_proletarian.statements.claim import _DUE_RUN_ORDERS
 from sqla_proletarian.statements.housekeeping import _BY_FINISHED_AT
 from sqla_proletarian.statements.leased import _LEASED, _LEASED_DUE_AT, _UNLEASED
@@ -84,6 +92,42 @@ def finished_counts(since: datetime) -> Statement:
     """Per queue: archived successes and failures since ``since`` (a range of the
     ``finished_at`` index)."""
     return _FINISHED_COUNTS, {"since": since}
+
+
+#: How the archive's error of a job whose type no handler knew begins (``running.describe``).
+UNKNOWN_TYPE_ERROR = "sqla_proletarian.errors.UnknownJobTypeError: %"
+_UNKNOWN = (ARCHIVE.c.status == literal("failure", String(16))) & ARCHIVE.c.error.like(
+    literal(UNKNOWN_TYPE_ERROR)
+)
+_SUCCESS = ARCHIVE.c.status == literal("success", String(16))
+_TYPE_ENDS = (
+    select(
+        ARCHIVE.c.queue,
+        ARCHIVE.c.job_type,
+        func.max(case((_UNKNOWN, ARCHIVE.c.finished_at), else_=null())).label("unknown_at"),
+        func.max(case((_SUCCESS, ARCHIVE.c.finished_at), else_=null())).label("handled_at"),
+    )
+    .where(ARCHIVE.c.finished_at >= bindparam("since", type_=ARCHIVE.c.finished_at.type))
+    .group_by(ARCHIVE.c.queue, ARCHIVE.c.job_type)
+)
+
+
+def type_ends(since: datetime) -> Statement:
+    """Per queue and job type archived since ``since``: the last failure because no handler
+    knew the type, and the last success (a range of the ``finished_at`` index)."""
+    return _TYPE_ENDS, {"since": since}
+
+
+_QUEUED_OF_TYPE = (
+    select(JOB.c.job_id)
+    .where(JOB.c.queue == bindparam("queue"), JOB.c.job_type == bindparam("job_type"))
+    .limit(1)
+)
+
+
+def queued_of_type(queue: str, job_type: str) -> Statement:
+    """A row when a job of the type is queued in the queue."""
+    return _QUEUED_OF_TYPE, {"queue": queue, "job_type": job_type}
 
 
 #: Each run record's job, owner and queue, read from the ledger's side (a small table: one
@@ -323,4 +367,5 @@ def data_version() -> Statement:
 def probe_tables() -> list[Statement]:
     """Read no row of each library table, naming every column the models know: fails
     when a table or a column is missing (tables never installed, or not upgraded)."""
-    return [(select(table).where(false()), {}) for table in (JOB, ARCHIVE, RUN, PAUSED)]
+    tables = (JOB, ARCHIVE, RUN, PAUSED, HISTORY)
+    return [(select(table).where(false()), {}) for table in tables]

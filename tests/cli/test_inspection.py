@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from cli_support import wait_until
+from cli_support import cli, url_of, wait_until
 
 import sqla_proletarian as sp
 from sqla_proletarian import ledger, statements
@@ -205,3 +205,39 @@ def test_queue_status_sums_a_queues_priorities_and_finds_its_oldest_ready_job_am
     assert (status.ready, status.scheduled) == (2, 1)
     assert status.oldest_ready_age_s == pytest.approx(40, abs=0.01)
     assert list(status.by_priority.items()) == [(5, 1), (-1, 2)]
+
+
+def test_status_flags_queued_job_types_the_last_workers_handlers_did_not_know(
+    database: Any,
+) -> None:
+    """A job type no handler knew failed in the last hour and more of it is queued:
+    queue_status names it in ``unhandled_job_types`` and ``status`` warns, saying what to
+    do; once a job of the type succeeds (a handler was registered) the flag is gone."""
+    engine = database.engine()
+    handlers = sp.JobHandlers()
+    handlers.register("known")(lambda job_type, payload: None)
+    with engine.begin() as conn:
+        sp.enqueue(conn, "mystery", queue="mail")
+        sp.enqueue(conn, "known", queue="mail")
+    while sp.process_next_job(engine, handlers, queue="mail"):
+        pass
+    with engine.begin() as conn:
+        sp.enqueue(conn, "mystery", queue="mail")
+        sp.enqueue(conn, "known", queue="mail")
+        sp.enqueue(conn, "mystery", queue="other")  # never run here: nothing known of it
+    statuses = {status.queue: status for status in sp.queue_status(engine)}
+    assert statuses["mail"].unhandled_job_types == ("mystery",)
+    assert statuses["other"].unhandled_job_types == ()
+    done = cli("status", "--url", url_of(database))
+    assert done.returncode == 0, done.stderr
+    [warning] = [line for line in done.stderr.splitlines() if "warning" in line]
+    assert "queue 'mail'" in warning and "'mystery'" in warning
+    assert "retry-failed --all --job-type mystery" in warning
+
+    handlers.register("mystery")(lambda job_type, payload: None)
+    while sp.process_next_job(engine, handlers, queue="mail"):
+        pass
+    with engine.begin() as conn:
+        sp.enqueue(conn, "mystery", queue="mail")
+    statuses = {status.queue: status for status in sp.queue_status(engine)}
+    assert statuses["mail"].unhandled_job_types == ()

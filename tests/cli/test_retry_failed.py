@@ -100,6 +100,49 @@ def test_retry_failed_keeps_the_job_id_and_the_archive_tells_the_truth_after_suc
     assert rows(engine, statements.JOB) == [] and rows(engine, statements.RUN) == []
 
 
+@pytest.mark.parametrize("key", [None, "invoice-8"], ids=["unkeyed", "keyed"])
+def test_the_failures_put_back_stay_in_the_jobs_history(engine: sa.Engine, key: str | None) -> None:
+    """retry_failed keeps each failure it puts back (error, attempts, time) in the job's
+    history: get_job shows it while the job is queued again and once it has ended anew,
+    oldest first, while the archive keeps one row per job id, the last end; pruning the
+    job deletes its history."""
+    job_id = fail(engine, unique_key=key)
+    first = archived(engine)[job_id]
+    assert sp.retry_failed(engine, [job_id]) == 1
+    queued = sp.get_job(engine, job_id)
+    assert queued is not None and queued.state == "ready" and queued.attempts == 0
+    assert [(h.state, h.attempts, h.finished_at, h.error) for h in queued.history] == [
+        ("failed", 1, first.finished_at, first.error)
+    ]
+    assert "RuntimeError: no" in (queued.history[0].error or "")
+
+    def flaky(job_type: str, payload: Any) -> None:
+        raise ValueError("still no")
+
+    assert sp.process_next_job(engine, flaky)
+    second = archived(engine)[job_id]
+    assert sp.retry_failed(engine, [job_id]) == 1
+    assert sp.process_next_job(engine, lambda job_type, payload: None)
+    done = sp.get_job(engine, job_id)
+    assert done is not None and (done.state, done.attempts, done.error) == ("succeeded", 1, None)
+    assert [(h.state, h.error) for h in done.history] == [
+        ("failed", first.error),
+        ("failed", second.error),
+    ]
+    assert "ValueError: still no" in (done.history[1].error or "")
+    assert list(archived(engine)) == [job_id]
+    assert len(rows(engine, statements.HISTORY)) == 2
+
+    assert (
+        sp.prune_archive(
+            engine, older_than=timedelta(0), clock=lambda: sp.utc_now() + timedelta(seconds=1)
+        )
+        == 1
+    )
+    assert rows(engine, statements.HISTORY) == []
+    assert sp.get_job(engine, job_id) is None
+
+
 def test_retry_failed_skips_ids_that_are_not_archived_failures_or_are_queued_now(
     engine: sa.Engine,
 ) -> None:

@@ -80,6 +80,28 @@ def test_jobs_pages_list_by_state_and_open_a_jobs_detail(engine: sa.Engine) -> N
     assert missing.status_code == 404 and "no job" in missing.get_data(as_text=True)
 
 
+def test_a_failed_job_put_back_keeps_its_earlier_failure_on_its_page(engine: sa.Engine) -> None:
+    """After retry_failed, the job's page (queued again, then succeeded) still shows the
+    earlier failure's error and attempts, escaped."""
+    enqueue(engine, "charge")
+
+    def hostile(job_type: str, payload: Any) -> None:
+        raise RuntimeError(HOSTILE)
+
+    assert sp.process_next_job(engine, hostile)
+    [failed] = sp.failed_jobs(engine)
+    assert sp.retry_failed(engine, [failed.job_id]) == 1
+    visitor = Visitor(create_dashboard(engine))
+
+    for state in ("ready", "succeeded"):
+        page = visitor.get(f"/jobs/{failed.job_id}").get_data(as_text=True)
+        assert f'id="job-state">{state}<' in page
+        history = page.split('<ol class="history" id="history">')[1].split("</ol>")[0]
+        assert "failed" in history and "after 1 attempt" in history
+        assert str(escape(f"RuntimeError: {HOSTILE}")) in history and HOSTILE not in page
+        assert sp.process_next_job(engine, lambda job_type, payload: None) is (state == "ready")
+
+
 def test_pages_are_keyset_paginated_and_never_use_offset(engine: sa.Engine) -> None:
     """120 ready jobs come as pages of 50, 50 and 20 through the "Next page" links, each job
     once, and no statement the dashboard runs skips rows with an OFFSET (SQLite's compiler

@@ -155,9 +155,17 @@ def test_a_payload_that_cannot_be_decoded_is_retried_as_the_retry_strategy_says(
 # --- job types with no handler ----------------------------------------------------------
 
 
-def test_a_job_type_with_no_handler_fails_with_unknown_job_type_error(engine: sa.Engine) -> None:
-    """JobHandlers without a handler for the type: the retry strategy sees
-    UnknownJobTypeError, the job is archived as failed, the worker keeps going."""
+MODES: dict[str, dict[str, Any]] = {"transaction": {}, "lease": {"lease_seconds": 30.0}}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_job_type_with_no_handler_fails_at_once_naming_the_known_types(
+    engine: sa.Engine, mode: str
+) -> None:
+    """JobHandlers without a handler for the type: the job is archived as failed on its
+    first run, whatever the retry strategy would say (it is not asked: no retry could
+    succeed), with an UnknownJobTypeError naming the type and the registered types; the
+    failed-job handler runs; the worker keeps going."""
     handlers = sp.JobHandlers()
     done: list[Any] = []
 
@@ -165,24 +173,41 @@ def test_a_job_type_with_no_handler_fails_with_unknown_job_type_error(engine: sa
     def normal(job_type: str, payload: Any) -> None:
         done.append(payload)
 
+    @handlers.register("another")
+    def another(job_type: str, payload: Any) -> None:
+        done.append(payload)
+
     strategy_saw: list[Exception] = []
+    failed_saw: list[Exception] = []
 
-    def retry_strategy(job: sp.JobContext, exc: Exception) -> None:
+    def retry_strategy(job: sp.JobContext, exc: Exception) -> sp.RetryStrategy:
         strategy_saw.append(exc)
-        return None
+        return sp.RetryStrategy(retries=5, delays=[0])
 
-    with running_worker(engine, handlers, retry_strategy=retry_strategy) as worker:
+    def failed_job_handler(job: sp.JobContext, exc: Exception) -> None:
+        failed_saw.append(exc)
+
+    with running_worker(
+        engine,
+        handlers,
+        retry_strategy=retry_strategy,
+        failed_job_handler=failed_job_handler,
+        **MODES[mode],
+    ) as worker:
         bad = enqueue(engine, "nobody-handles-this", {"x": 1})
         good = enqueue(engine, "normal", {"n": 2})
         jobs = wait_archived(engine, bad, good)
         assert jobs[bad].status == "failure"
-        assert "UnknownJobTypeError" in (jobs[bad].error or "")
-        assert "no handler is registered for job type 'nobody-handles-this'" in (
-            jobs[bad].error or ""
-        )
-        assert [type(e) for e in strategy_saw] == [sp.UnknownJobTypeError]
-        assert isinstance(strategy_saw[0], sp.UnknownJobTypeError)
-        assert strategy_saw[0].job_type == "nobody-handles-this"
+        assert jobs[bad].attempts == 1
+        error = jobs[bad].error or ""
+        assert error.startswith("sqla_proletarian.errors.UnknownJobTypeError: ")
+        assert "no handler is registered for job type 'nobody-handles-this'" in error
+        assert "(known job types: 'another', 'normal')" in error
+        assert strategy_saw == []
+        assert wait_for(lambda: len(failed_saw) == 1)
+        assert isinstance(failed_saw[0], sp.UnknownJobTypeError)
+        assert failed_saw[0].job_type == "nobody-handles-this"
+        assert failed_saw[0].known_types == ("another", "normal")
         assert jobs[good].status == "success"
         assert done == [{"n": 2}]
         assert_still_working(engine, worker)

@@ -180,6 +180,52 @@ def test_an_engine_is_refused_with_advice_to_pass_a_session_or_connection(
 # --- ids ------------------------------------------------------------------------------------
 
 
+def test_a_mistyped_keyword_is_a_type_error_naming_enqueue(engine: sa.Engine) -> None:
+    """enqueue's options are real keyword parameters: a typo names ``enqueue`` (and mypy
+    catches it), not the internal function that builds the row; nothing is added."""
+    with Session(engine) as session:
+        with pytest.raises(TypeError) as info:
+            sp.enqueue(session, "t", {}, proces_in=5)  # type: ignore[call-arg]
+        assert not session.new
+    message = str(info.value)
+    assert message.startswith("enqueue() got an unexpected keyword argument 'proces_in'")
+    assert "build_job_values" not in message
+    with Session(engine) as session, pytest.raises(TypeError) as many:
+        sp.enqueue_many(session, [("t", {})], clok=None)  # type: ignore[call-arg]
+    assert str(many.value).startswith("enqueue_many() got an unexpected keyword argument")
+    with pytest.raises(
+        TypeError, match=r"^__init__\(\) got an unexpected keyword argument 'prority'"
+    ):
+        sp.Job(job_type="t", prority=2)  # type: ignore[call-arg]
+
+
+def test_every_option_of_enqueue_still_applies(engine: sa.Engine) -> None:
+    """The keywords once taken as ``**options`` (job_id, serializer, job_id_strategy,
+    clock) still reach the row, through a Session and a Connection."""
+    clock = FakeClock()
+    fixed = uuid.uuid4()
+
+    class Upper:
+        def dumps(self, payload: Any) -> str:
+            return '"' + str(payload).upper() + '"'
+
+        def loads(self, text: str) -> Any:
+            return text
+
+    with Session(engine) as session:
+        given = sp.enqueue(session, "t", "a", job_id=fixed, serializer=Upper(), clock=clock)
+        made = sp.enqueue(session, "t", "b", job_id_strategy=sp.uuid7, priority=3)
+        session.commit()
+    with engine.begin() as conn:
+        many = sp.enqueue_many(conn, [("t", "c")], serializer=Upper(), clock=clock)
+    assert given == fixed and made.version == 7
+    first, second, third = (job_row(engine, job_id) for job_id in (fixed, made, many[0]))
+    assert first is not None and second is not None and third is not None
+    assert (first.payload, first.enqueued_at) == ('"A"', T0)
+    assert (third.payload, third.enqueued_at) == ('"C"', T0)
+    assert second.priority == 3
+
+
 def test_job_ids_are_client_side_uuid4_by_default_and_uuid7_on_request(
     engine: sa.Engine,
 ) -> None:

@@ -127,10 +127,11 @@ def test_job_handlers_dispatch_by_job_type_in_advanced_mode(engine: sa.Engine) -
     ]
 
 
-def test_unknown_job_type_without_default_is_an_error_the_retry_strategy_sees(
+def test_unknown_job_type_without_default_fails_at_once_in_both_handler_modes(
     engine: sa.Engine,
 ) -> None:
-    """In both modes: the registered type runs, the unknown one fails through the strategy."""
+    """In both modes: the registered type runs; the unknown one fails for good at once (the
+    retry strategy is not asked), and the failed-job handler sees UnknownJobTypeError."""
     handlers = sp.JobHandlers()
     ran: list[Any] = []
     handlers.register("known")(lambda *args: ran.append(args))
@@ -139,19 +140,26 @@ def test_unknown_job_type_without_default_is_an_error_the_retry_strategy_sees(
         known = enqueue_committed(engine, "known", None)
         unknown = enqueue_committed(engine, "mystery", None)
         seen: list[tuple[uuid.UUID, Exception]] = []
+        asked: list[Exception] = []
 
-        def strategy(job: sp.JobContext, exc: Exception, seen: list[Any] = seen) -> None:
+        def failed(job: sp.JobContext, exc: Exception, seen: list[Any] = seen) -> None:
             seen.append((job.job_id, exc))
 
-        while sp.process_next_job(engine, handlers, handler_mode=mode, retry_strategy=strategy):
+        def strategy(job: sp.JobContext, exc: Exception, asked: list[Any] = asked) -> Any:
+            asked.append(exc)
+            return sp.RetryStrategy(3)
+
+        options: dict[str, Any] = {"retry_strategy": strategy, "failed_job_handler": failed}
+        while sp.process_next_job(engine, handlers, handler_mode=mode, **options):
             pass
         assert len(ran) == 1, mode
+        assert asked == [], mode
         [(job_id, exc)] = seen
         assert job_id == unknown, mode
         assert isinstance(exc, sp.UnknownJobTypeError) and isinstance(exc, sp.ProletarianError)
-        assert exc.job_type == "mystery"
+        assert exc.job_type == "mystery" and exc.known_types == ("known",)
         done = archived_job(engine, unknown)
-        assert done is not None and done.status == "failure", mode
+        assert done is not None and (done.status, done.attempts) == ("failure", 1), mode
         assert done.error is not None and "mystery" in done.error
         ok = archived_job(engine, known)
         assert ok is not None and ok.status == "success", mode

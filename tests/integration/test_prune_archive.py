@@ -385,16 +385,23 @@ def roles(database: Database) -> Iterator[Roles]:
 def test_pruning_needs_select_and_delete_on_the_archive_and_nothing_else(
     roles: Roles, engine: sa.Engine
 ) -> None:
-    """docs/privileges.md: a role with SELECT and DELETE on proletarian_archived_job prunes;
-    without either one the server refuses it."""
-    select, delete = ("SELECT", "proletarian_archived_job"), ("DELETE", "proletarian_archived_job")
-    for grants in ([select], [delete]):
+    """docs/privileges.md: a role with SELECT and DELETE on proletarian_archived_job and
+    proletarian_job_history (the history of the jobs it prunes goes with them) and SELECT
+    (job_id) on proletarian_job prunes; without any one of them the server refuses it."""
+    grants = [
+        ("SELECT", "proletarian_archived_job"),
+        ("DELETE", "proletarian_archived_job"),
+        ("SELECT", "proletarian_job_history"),
+        ("DELETE", "proletarian_job_history"),
+        ("SELECT (job_id)", "proletarian_job"),
+    ]
+    for missing in grants:
         archive(engine, (OLD, "success"))
-        role = roles.make("pruner", grants)
+        role = roles.make("pruner", [grant for grant in grants if grant != missing])
         with pytest.raises(sa.exc.DBAPIError) as info:
             sp.prune_archive(role.engine, older_than=MONTH, clock=FakeClock(T0))
-        assert permission_denied(info.value), (grants, info.value)
+        assert permission_denied(info.value), (missing, info.value)
     recent = archive(engine, (T0, "success"))
-    role = roles.make("pruner", [select, delete])
-    assert sp.prune_archive(role.engine, older_than=MONTH, clock=FakeClock(T0)) == 2
+    role = roles.make("pruner", grants)
+    assert sp.prune_archive(role.engine, older_than=MONTH, clock=FakeClock(T0)) == len(grants)
     assert archived_ids(engine) == set(recent)

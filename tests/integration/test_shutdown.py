@@ -326,10 +326,11 @@ def test_queue_names_differing_in_trailing_spaces_are_different_queues(
 
 
 def test_an_unknown_worker_option_is_a_configuration_error(engine: sa.Engine) -> None:
-    """The refusal comes before any claim: a due job stays queued, untouched."""
+    """The refusal comes before any claim: a due job stays queued, untouched (a mistyped
+    keyword of create_queue_worker is Python's TypeError, naming the function)."""
     job_id = enqueue_committed(engine, "t", None)
-    with pytest.raises(sp.ConfigurationError, match="polling_intervall"):
-        sp.create_queue_worker(engine, _ok, polling_intervall=1)
+    with pytest.raises(TypeError, match=r"create_queue_worker\(\).*'polling_intervall'"):
+        sp.create_queue_worker(engine, _ok, polling_intervall=1)  # type: ignore[call-arg]
     with pytest.raises(sp.ConfigurationError, match="retry_strategy_fn"):
         sp.process_next_job(engine, _ok, retry_strategy_fn=None)
     with pytest.raises(sp.ConfigurationError, match="handler_mode"):

@@ -556,3 +556,47 @@ def test_log_events_have_stable_names_and_structured_fields(
     assert (not_retrying.job_id, not_retrying.attempt) == (bad_id, 2)
     assert ok_id in {j.job_id for j in archived(engine)}
     assert jobs(engine) == []
+
+
+@pytest.mark.parametrize("mode", [{}, {"lease_seconds": 30.0}], ids=["transaction", "lease"])
+def test_each_succeeded_job_is_logged_at_info_with_its_duration(
+    engine: sa.Engine, caplog: pytest.LogCaptureFixture, mode: dict[str, Any]
+) -> None:
+    """At INFO, each succeeded job (a batch's too) logs ``job-finished`` with the seconds
+    from its handler's start until its success committed (a batch's jobs commit together:
+    the last one's are its own); the ``sqla_proletarian.finished`` logger at WARNING quiets
+    just them."""
+    caplog.set_level(logging.INFO, logger="sqla_proletarian")
+    durations = {"quick": 0.0, "slow": 0.3}
+
+    def handler(job_type: str, payload: Any) -> None:
+        threading.Event().wait(durations[job_type])
+
+    ids = [enqueue_committed(engine, name, None) for name in ("slow", "slow", "quick")]
+    worker = sp.create_queue_worker(
+        engine, handler, worker_threads=1, batch_size=3, polling_interval=0.02, **mode
+    )
+    with running(worker):
+        assert wait_for(lambda: all(archived_job(engine, job_id) for job_id in ids))
+        assert wait_for(lambda: len(events(caplog.records, "job-finished")) == 3)
+    finished = {r.job_id: r for r in events(caplog.records, "job-finished")}
+    assert set(finished) == set(ids)
+    for job_id, record in finished.items():
+        assert record.levelno == logging.INFO
+        assert record.name == "sqla_proletarian.finished"
+        assert f"job_id={job_id}" in record.getMessage()
+        assert f"seconds={record.seconds}" in record.getMessage()
+        assert durations[record.job_type] <= record.seconds < 30
+    assert finished[ids[2]].seconds < 0.3
+
+    caplog.clear()
+    logging.getLogger("sqla_proletarian.finished").setLevel(logging.WARNING)
+    try:
+        quiet = sp.create_queue_worker(engine, handler, polling_interval=0.02, **mode)
+        job_id = enqueue_committed(engine, "quick", None)
+        with running(quiet):
+            assert wait_for(lambda: archived_job(engine, job_id) is not None)
+    finally:
+        logging.getLogger("sqla_proletarian.finished").setLevel(logging.NOTSET)
+    assert events(caplog.records, "job-finished") == []
+    assert events(caplog.records, "queue-worker-starting")

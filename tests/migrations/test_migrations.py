@@ -276,6 +276,7 @@ from sqla_proletarian.migrations import (
     add_archived_unique_key,
     add_enqueue_notifications,
     add_job_control,
+    add_job_history,
     add_leases,
     add_run_owners,
     add_trace_context,
@@ -284,6 +285,7 @@ from sqla_proletarian.migrations import (
     drop_archived_unique_key,
     drop_enqueue_notifications,
     drop_job_control,
+    drop_job_history,
     drop_leases,
     drop_run_owners,
     drop_tables,
@@ -339,12 +341,13 @@ def user_project(root: Path, *, calls_helpers: bool, library_location: bool) -> 
         upgrade_extra=(
             "create_tables(op); add_run_owners(op); add_enqueue_notifications(op); "
             "add_trace_context(op); add_job_control(op); add_archived_unique_key(op); "
-            "add_leases(op); add_uncharged_runs(op)"
+            "add_leases(op); add_uncharged_runs(op); add_job_history(op)"
             if calls_helpers
             else "pass"
         ),
         downgrade_extra=(
-            "drop_uncharged_runs(op); drop_leases(op); drop_archived_unique_key(op); "
+            "drop_job_history(op); drop_uncharged_runs(op); drop_leases(op); "
+            "drop_archived_unique_key(op); "
             "drop_job_control(op); "
             "drop_trace_context(op); "
             "drop_enqueue_notifications(op); "

@@ -71,9 +71,13 @@ def test_the_default_handler_receives_the_job_context_in_advanced_mode() -> None
 
 def test_without_a_default_an_unknown_job_type_raises_an_error_naming_it() -> None:
     handlers = sp.JobHandlers()
+    handlers.register("email")(lambda job_type, payload: None)
+    handlers.register("sms")(lambda job_type, payload: None)
     with pytest.raises(sp.UnknownJobTypeError) as info:
         handlers("mystery", None)
     assert info.value.job_type == "mystery"
+    assert info.value.known_types == ("email", "sms")
+    assert "(known job types: 'email', 'sms')" in str(info.value)
     assert "@handlers.register('mystery')" in str(info.value)
     assert "@handlers.default" in str(info.value)
     assert isinstance(info.value, sp.ProletarianError)

@@ -14,6 +14,7 @@ import pytest
 from sqlalchemy import exc as sa_exc
 
 from sqla_proletarian import polling, wakeups
+from sqla_proletarian.logs import Outage
 from sqla_proletarian.polling import (
     DUE_MARGIN,
     LISTENING_POLL_INTERVAL,
@@ -142,14 +143,48 @@ def test_a_transient_error_backs_off_doubling_with_jitter_on_new_connections(
         decision = poll.step()
         assert isinstance(decision, Backoff)
         assert backoff / 2 <= decision.pause <= backoff
-    assert [r.retry_in for r in events(caplog, "transient-polling-error")] == [0.05, 0.1, 0.2]
+    # One line for the outage's first error; its retries are counted, not logged.
+    assert [r.retry_in for r in events(caplog, "transient-polling-error")] == [0.05]
     assert all(c.closed for c in runner.opened) and len(runner.opened) == 3
     # A poll that works forgets the backoff: the next error starts again from the minimum.
     assert poll.step() == RAN
+    [back] = events(caplog, "database-reconnected")
+    assert back.attempts == 3 and back.levelno == logging.INFO
     assert len(runner.opened) == 4
     decision = poll.step()
     assert isinstance(decision, Backoff) and decision.pause <= 0.05
+    assert len(events(caplog, "transient-polling-error")) == 2  # a new outage
     assert not events(caplog, "polling-error")
+
+
+def test_an_outage_logs_its_first_error_in_full_then_a_line_per_interval_then_its_end(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """However many pollers fail how often: the first error with the driver's further lines
+    after the message, one ``database-still-unreachable`` per OUTAGE_REPORT_INTERVAL (how
+    long, how many attempts), one ``database-reconnected`` with the outage's length."""
+    now = [100.0]
+    outage = Outage("transient-polling-error", clock=lambda: now[0], worker_id="w1")
+    error = sa_exc.OperationalError(
+        "SELECT 1", {}, Exception("connection refused\n\tIs the server running on port 1?")
+    )
+    for _ in range(40):  # 40 failed polls over 75 s: a line at 0, 30 and 60 s
+        outage.failed(error, None, retry_in=5.0)
+        now[0] += 75 / 40
+    outage.ended()
+    outage.ended()
+    first = events(caplog, "transient-polling-error")
+    still = events(caplog, "database-still-unreachable")
+    back = events(caplog, "database-reconnected")
+    assert len(first) == 1 and len(still) == 2 and len(back) == 1
+    message = first[0].getMessage()
+    assert message.splitlines()[0].startswith("transient-polling-error worker_id=w1 error=")
+    assert message.splitlines()[1:] == ["\tIs the server running on port 1?"]
+    assert "error=Exception: connection refused retry_in=5.0" in message
+    assert "\\n" not in message and "\\t" not in message
+    assert [(r.seconds, r.attempts) for r in still] == [(30.0, 17), (60.0, 33)]
+    assert all(len(r.getMessage().splitlines()) == 1 for r in still)
+    assert (back[0].seconds, back[0].attempts) == (75.0, 40)
 
 
 # --- empty polls: the watcher, the burst, LISTEN ------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 from pathlib import Path
@@ -53,9 +54,32 @@ def test_an_unknown_option_is_refused_with_the_list_of_options() -> None:
     assert "polling_interval" in message
 
 
-def test_create_queue_worker_refuses_an_unknown_option(engine: sa.Engine) -> None:
-    with pytest.raises(sp.ConfigurationError, match="handler_fn_mode"):
-        sp.create_queue_worker(engine, handler, handler_fn_mode="advanced")
+def test_a_mistyped_option_is_a_type_error_naming_create_queue_worker(engine: sa.Engine) -> None:
+    """Its options are real keyword parameters: a typo names the public function (and
+    mypy catches it), not an internal one."""
+    with pytest.raises(TypeError) as info:
+        sp.create_queue_worker(engine, handler, handler_fn_mode="advanced")  # type: ignore[call-arg]
+    message = str(info.value)
+    assert message.startswith("create_queue_worker() got an unexpected keyword argument")
+    assert "'handler_fn_mode'" in message
+
+
+def test_the_worker_creators_take_every_worker_option_as_a_keyword() -> None:
+    """create_queue_worker's keywords are WorkerOptions' fields with their defaults;
+    create_async_queue_worker's the same but for the two it refuses, plus concurrency."""
+    from sqla_proletarian.aio import create_async_queue_worker
+
+    fields = {name: f.default for name, f in WorkerOptions.__dataclass_fields__.items()}
+    sync = inspect.signature(sp.create_queue_worker).parameters
+    keywords = {n: p for n, p in sync.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert list(keywords) == list(fields)
+    assert {n: p.default for n, p in keywords.items()} == fields
+    asyncio_keywords = {
+        n
+        for n, p in inspect.signature(create_async_queue_worker).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    }
+    assert asyncio_keywords == set(fields) | {"concurrency"}
 
 
 def test_process_next_job_refuses_an_unknown_option(engine: sa.Engine) -> None:
