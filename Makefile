@@ -118,9 +118,9 @@ test-pg18: venv
 	$(call with_testdb,$(PG18_RUN))
 
 # The oldest SQLAlchemy that pyproject.toml claims, in a venv of its own: the unit tests and
-# the integration tests of enqueue, outcomes, app integrations and the examples, on every
-# backend. (`tox -e sqla-oldest,sqla-newest` runs the whole suite on 2.0.30 and on 2.1.)
-SQLA_OLDEST_TESTS := tests/unit tests/integration/test_enqueue.py \
+# the integration tests of enqueue, lease mode, outcomes, app integrations and the examples,
+# on every backend. (`tox -e sqla-oldest,sqla-newest` runs the whole suite on 2.0.30 and on 2.1.)
+SQLA_OLDEST_TESTS := tests/unit tests/integration/test_enqueue.py tests/integration/test_leases.py \
 	tests/integration/test_worker_outcomes.py tests/integration/test_app_integrations.py \
 	tests/integration/test_flask_sqlalchemy_example.py tests/integration/test_examples.py
 

@@ -162,10 +162,12 @@ def execute(conn: Connection, statement: Executable, params: Any) -> Rows:
         return _through_sqlalchemy(conn, statement, params)
     if plan.expands:
         state = compiled.construct_expanded_state(params)
+        # SQLAlchemy 2.0 gives the expanded parameters' processors only: the others are the
+        # plan's.
         text, values, processors, positions = (
             state.statement,
             state.parameters,
-            state.processors,
+            {**plan.processors, **state.processors},
             state.positiontup,
         )
     else:
