@@ -160,6 +160,7 @@ def execute(conn: Connection, statement: Executable, params: Any) -> Rows:
     compiled = plan.compiled
     if compiled is None:
         return _through_sqlalchemy(conn, statement, params)
+    processors: Mapping[str, Any]
     if plan.expands:
         state = compiled.construct_expanded_state(params)
         # SQLAlchemy 2.0 gives the expanded parameters' processors only: the others are the
