@@ -402,8 +402,7 @@ class LeaseRunner(RunnerBase):
                 for ran in (False, True):
                     runs = [run for run in released if run.ran == ran]
                     if runs:
-                        ids = [run.job_id for run in runs]
-                        conn.execute(*sql.release_leases(ids, self._tokens(runs), ran=ran))
+                        conn.execute(*self._released(runs, ran=ran))
         except Exception as exc:
             # Its late end tries again.
             log_event(logging.WARNING, "lease-release-error", error=repr(exc))
@@ -761,9 +760,7 @@ class LeaseRunner(RunnerBase):
             hint="nothing was recorded; the jobs run again",
         )
         try:
-            self._execute(
-                sql.release_leases([r.job_id for r in runs], self._tokens(runs), ran=True)
-            )
+            self._execute(self._released(runs, ran=True))
             return True
         except Exception as error:
             log_event(
@@ -939,7 +936,7 @@ class LeaseRunner(RunnerBase):
         the next claim counts one)."""
         if charged:
             return sql.expire_lease(run.job_id, run.token, self.now())
-        return sql.release_leases([run.job_id], [run.token], ran=run.ran)
+        return self._released([run], ran=run.ran)
 
     def _give_back(self, run: LeasedRun, *, charged: bool) -> None:
         """Make the job due again at once: released (no unclean end), or ``charged`` (its
@@ -988,9 +985,7 @@ class LeaseRunner(RunnerBase):
         for run in runs:
             run.begin_ending()
         try:
-            self._execute(
-                sql.release_leases([r.job_id for r in runs], self._tokens(runs), ran=False)
-            )
+            self._execute(self._released(runs, ran=False))
         except Exception as exc:
             log_event(logging.WARNING, "lease-release-error", error=repr(exc))
         finally:
@@ -1034,6 +1029,12 @@ class LeaseRunner(RunnerBase):
     @staticmethod
     def _tokens(runs: list[LeasedRun]) -> list[uuid.UUID]:
         return sorted({run.token for run in runs})
+
+    @classmethod
+    def _released(cls, runs: list[LeasedRun], *, ran: bool) -> sql.Statement:
+        """The release of the runs' leases (see sql.release_leases: ``ran`` keeps their
+        count)."""
+        return sql.release_leases([run.job_id for run in runs], cls._tokens(runs), ran=ran)
 
     @contextlib.contextmanager
     def _short_transaction(self) -> Iterator[Connection]:

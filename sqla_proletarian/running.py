@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -208,19 +208,14 @@ class RunnerBase:
 
     def _any_due(self, conn: Connection) -> bool:
         """Whether a job of the queues is due, read without taking the write lock."""
-        now, scan = self.now(), self.dialect.priority_scan
-        return any(self._read_each(conn, lambda queue: is_due(conn, queue, now, scan)))
+        now, scan, queues = self.now(), self.dialect.priority_scan, self.settings.queues
+        return read_apart(conn, lambda: any_due_in(conn, queues, now, scan))
 
     def next_due(self, conn: Connection) -> datetime | None:
         """When the queues' earliest job is due (None: no job, or the queues are paused), read
         on the claim's connection without locking anything: an idle worker sleeps until then."""
-        scan = self.dialect.priority_scan
-        times = self._read_each(conn, lambda queue: next_due_at(conn, queue, scan))
-        return min((when for when in times if when is not None), default=None)
-
-    def _read_each(self, conn: Connection, read: Callable[[str], T]) -> list[T]:
-        """What one read per queue returned, in a transaction of their own on ``conn``."""
-        return read_apart(conn, lambda: [read(queue) for queue in self.settings.queues])
+        scan, queues = self.dialect.priority_scan, self.settings.queues
+        return read_apart(conn, lambda: next_due_in(conn, queues, scan))
 
     def _commits(self, conn: Connection) -> int:
         """SQLite's count of other connections' commits to the file, as seen from ``conn``."""
@@ -447,6 +442,17 @@ def is_due(conn: Connection, queue: str, now: datetime, scan: PriorityScan) -> b
     if scan == "hops":
         return any(earliest <= now for _, earliest in priority_entries(conn, queue))
     return bool(direct.execute(conn, *sql.due_job(queue, now)).rows)
+
+
+def any_due_in(conn: Connection, queues: Sequence[str], now: datetime, scan: PriorityScan) -> bool:
+    """Whether a job of any of the queues is due at ``now`` (see is_due)."""
+    return any(is_due(conn, queue, now, scan) for queue in queues)
+
+
+def next_due_in(conn: Connection, queues: Sequence[str], scan: PriorityScan) -> datetime | None:
+    """When the queues' earliest job is due (see next_due_at); None: none."""
+    times = (next_due_at(conn, queue, scan) for queue in queues)
+    return min((when for when in times if when is not None), default=None)
 
 
 def rollback_quietly(conn: Connection) -> None:

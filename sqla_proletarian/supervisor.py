@@ -44,7 +44,7 @@ from sqla_proletarian.exits import EXIT_INTERRUPTED, EXIT_JOBS_UNFINISHED, unfin
 from sqla_proletarian.inspection import queue_status
 from sqla_proletarian.logs import log_event
 from sqla_proletarian.options import WorkerOptions
-from sqla_proletarian.running import is_due, next_due_at
+from sqla_proletarian.running import any_due_in, next_due_at
 from sqla_proletarian.worker import QueueWorker, create_queue_worker
 
 __all__ = [
@@ -197,7 +197,7 @@ def any_due(engine: Engine, options: WorkerOptions) -> bool:
     try:
         with engine.connect() as conn:
             now, scan = options.clock(), dialect_of(conn).priority_scan
-            return any(is_due(conn, queue, now, scan) for queue in options.queues)
+            return any_due_in(conn, options.queues, now, scan)
     except Exception as exc:
         if not is_transient(exc):
             raise
