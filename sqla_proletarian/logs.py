@@ -110,12 +110,18 @@ class Outage:
             f"{OUTAGE_REPORT_INTERVAL:g} s",
         )
 
-    def ended(self) -> None:
-        """An attempt worked: the outage is over (logged if it took retries)."""
+    def now(self) -> float:
+        """The outage's clock: when an attempt begins (see ended)."""
+        return self._clock()
+
+    def ended(self, began: float | None = None) -> None:
+        """An attempt worked: the outage is over (logged if it took retries). An attempt
+        that ``began`` before the outage's first error (another thread's, in flight as the
+        database went away) ends nothing."""
         if self.started is None:  # the common case, read without the lock
             return
         with self._lock:
-            if self.started is None:
+            if self.started is None or (began is not None and began < self.started):
                 return
             seconds, attempts = self._clock() - self.started, self.attempts
             self.started, self.attempts = None, 0

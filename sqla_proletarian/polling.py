@@ -308,10 +308,11 @@ class _Poller:
             return Stop(exc)
         return Idle(pause())
 
-    def _succeeded(self) -> None:
-        """A poll worked: the backoff starts again from the minimum; an outage is over."""
+    def _succeeded(self, began: float) -> None:
+        """A poll that ``began`` then worked: the backoff starts again from the minimum; an
+        outage that began before it is over."""
         self.backoff = 0.0
-        self.polling.outage.ended()
+        self.polling.outage.ended(began)
 
 
 class Poll(_Poller):
@@ -325,6 +326,7 @@ class Poll(_Poller):
     def step(self) -> Decision:
         """Poll once: the periodic jobs' tick, then a due job run (or a batch)."""
         polling = self.polling
+        began = polling.outage.now()
         try:
             if self.connections is None:
                 self.connections = polling.runner.open_connections()
@@ -336,7 +338,7 @@ class Poll(_Poller):
         except Exception as exc:
             self._close()
             return self._failed(exc, polling.own_pause)
-        self._succeeded()
+        self._succeeded(began)
         return decision
 
     def end(self) -> None:
@@ -365,6 +367,7 @@ class Feed(_Poller):
         polling, feeder, connections = self.polling, self.feeder, self.connections
         # Every thread busy: a thread that becomes free wakes the poller.
         pause, claimed = LISTENING_POLL_INTERVAL, False
+        began = polling.outage.now()
         try:
             if feeder.room():
                 with polling.claiming():
@@ -378,7 +381,7 @@ class Feed(_Poller):
         except Exception as exc:
             connections.close()
             return self._failed(exc, lambda: polling.options.polling_interval)
-        self._succeeded()
+        self._succeeded(began)
         if claimed and feeder.room():
             return RAN  # a thread is still free: claim again now
         return Idle(pause)

@@ -187,6 +187,29 @@ def test_an_outage_logs_its_first_error_in_full_then_a_line_per_interval_then_it
     assert (back[0].seconds, back[0].attempts) == (75.0, 40)
 
 
+def test_a_poll_in_flight_when_an_outage_began_does_not_end_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Another thread's poll that began before the outage's first error and then worked
+    ends nothing: the next failure is no second first error; a poll that began after the
+    first error ends the outage."""
+    now = [100.0]
+    outage = Outage("transient-polling-error", clock=lambda: now[0], worker_id="w1")
+    error = sa_exc.OperationalError("SELECT 1", {}, Exception("server closed the connection"))
+    in_flight = outage.now()
+    now[0] += 1.0
+    outage.failed(error, None, retry_in=0.05)
+    outage.ended(in_flight)
+    now[0] += 0.1
+    outage.failed(error, None, retry_in=0.05)
+    assert len(events(caplog, "transient-polling-error")) == 1
+    assert events(caplog, "database-reconnected") == []
+    began = outage.now()
+    outage.ended(began)
+    [back] = events(caplog, "database-reconnected")
+    assert back.attempts == 2
+
+
 # --- empty polls: the watcher, the burst, LISTEN ------------------------------------------------
 
 
