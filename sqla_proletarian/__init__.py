@@ -32,6 +32,12 @@ from sqla_proletarian.inspection import (
     list_jobs,
     queue_status,
 )
+from sqla_proletarian.limits import (
+    QueueLimits,
+    clear_queue_limits,
+    queue_limits,
+    set_queue_limits,
+)
 from sqla_proletarian.maintenance import (
     RetryReport,
     prune_archive,
@@ -108,6 +114,7 @@ __all__ = [
     "PayloadSerializationError",
     "PeriodicJob",
     "ProletarianError",
+    "QueueLimits",
     "QueueStatus",
     "QueueWorker",
     "RetryReport",
@@ -116,6 +123,7 @@ __all__ = [
     "UnknownJobTypeError",
     "WorkerOptions",
     "cancel_job",
+    "clear_queue_limits",
     "create_async_queue_worker",
     "create_queue_worker",
     "enqueue",
@@ -132,10 +140,12 @@ __all__ = [
     "paused_queues",
     "process_next_job",
     "prune_archive",
+    "queue_limits",
     "queue_status",
     "resume_queue",
     "retry_failed",
     "retry_failed_report",
+    "set_queue_limits",
     "utc_now",
     "uuid4",
     "uuid7",

@@ -121,6 +121,7 @@ async def enqueue_async(
     serializer: Serializer | None = None,
     job_id_strategy: JobIdStrategy | None = None,
     clock: Clock | None = None,
+    concurrency_key: str | None = None,
 ) -> uuid.UUID:
     """``enqueue()`` for asyncio: add a job to the caller's transaction; its id. Never commits.
 
@@ -143,6 +144,7 @@ async def enqueue_async(
         serializer=serializer,
         job_id_strategy=job_id_strategy,
         clock=clock,
+        concurrency_key=concurrency_key,
     )
 
 
@@ -158,6 +160,7 @@ async def enqueue_many_async(
     job_id_strategy: JobIdStrategy | None = None,
     clock: Clock | None = None,
     job_id: None = None,
+    concurrency_key: str | None = None,
 ) -> list[uuid.UUID]:
     """``enqueue_many()`` for asyncio: validate every job, insert them in the caller's
     transaction (an AsyncSession's or an AsyncConnection's), return their ids in order.
@@ -175,6 +178,7 @@ async def enqueue_many_async(
         job_id_strategy=job_id_strategy,
         clock=clock,
         job_id=job_id,
+        concurrency_key=concurrency_key,
     )
 
 

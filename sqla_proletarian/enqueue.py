@@ -63,6 +63,7 @@ def enqueue(
     serializer: Serializer | None = None,
     job_id_strategy: JobIdStrategy | None = None,
     clock: Clock | None = None,
+    concurrency_key: str | None = None,
 ) -> uuid.UUID:
     """Add a job to the caller's transaction and return its id. Never commits.
 
@@ -79,7 +80,9 @@ def enqueue(
     with a Session (through its connection, in its transaction; with an AsyncSession use
     ``await sp.enqueue_async(...)``). ``job_id``: the job's id (default: made by
     ``job_id_strategy``, ``uuid4``); ``serializer``: how the payload is stored (JSON);
-    ``clock``: the time the job is enqueued at (``utc_now``).
+    ``clock``: the time the job is enqueued at (``utc_now``). ``concurrency_key``: what the
+    queue's per-key limits count the job by (``set_queue_limits``); without one, the job
+    counts toward the queue's own limits only.
     """
     given = session_or_connection
     session_or_connection = _sync_session_of(session_or_connection)
@@ -92,6 +95,7 @@ def enqueue(
         "serializer": serializer,
         "job_id_strategy": job_id_strategy,
         "clock": clock,
+        "concurrency_key": concurrency_key,
     }
     if unique_key is not None:
         if session_or_connection is not given and not isinstance(given, Session):
@@ -140,6 +144,7 @@ def enqueue_many(
     job_id_strategy: JobIdStrategy | None = None,
     clock: Clock | None = None,
     job_id: None = None,
+    concurrency_key: str | None = None,
 ) -> list[uuid.UUID]:
     """Add many jobs, ``(job_type, payload)`` pairs or ``(job_type, payload, unique_key)``
     triples, to the caller's transaction; their ids in order. Never commits.
@@ -152,7 +157,8 @@ def enqueue_many(
     unique key goes in with a statement of its own, as ``enqueue()`` would add it: where a
     job of the queue holds its key (one queued earlier, or one before it in ``jobs``), its id
     is that job's. ``serializer``, ``job_id_strategy`` and ``clock`` apply to every job, as
-    for ``enqueue()``; ``job_id`` is refused (each job gets an id of its own).
+    for ``enqueue()``; ``job_id`` is refused (each job gets an id of its own);
+    ``concurrency_key`` is every job's.
     """
     if job_id is not None:
         raise InvalidJobError(
@@ -167,6 +173,7 @@ def enqueue_many(
         serializer=serializer,
         job_id_strategy=job_id_strategy,
         clock=clock,
+        concurrency_key=concurrency_key,
     )
     connection = _connection_of(session_or_connection, "enqueue_many")
     plain = [row for row in rows if row["unique_key"] is None]

@@ -11,6 +11,7 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     Column,
+    Float,
     Index,
     Integer,
     MetaData,
@@ -45,6 +46,9 @@ __all__ = [
     "JobRun",
     "PausedQueue",
     "PeriodicSchedule",
+    "QueueLimit",
+    "Slot",
+    "Start",
     "include_object",
     "metadata",
 ]
@@ -55,6 +59,9 @@ JOB_RUN_TABLE = "proletarian_job_run"
 PERIODIC_TABLE = "proletarian_periodic"
 PAUSED_QUEUE_TABLE = "proletarian_paused_queue"
 JOB_HISTORY_TABLE = "proletarian_job_history"
+QUEUE_LIMIT_TABLE = "proletarian_queue_limit"
+SLOT_TABLE = "proletarian_slot"
+START_TABLE = "proletarian_start"
 #: The unique index that lets one queued job hold a ``unique_key`` in its queue.
 UNIQUE_KEY_INDEX = "ix_proletarian_job_unique_key"
 
@@ -134,6 +141,10 @@ class Job(Base):
         Column("unclean_ends", SmallInteger(), nullable=False, server_default=text("0")),
         Column("cancel_requested_at", UTCDateTime(), nullable=True),
         Column("uncharged_runs", SmallInteger(), nullable=False, server_default=text("0")),
+        # What per-key limits count by (``set_queue_limits``); NULL: the queue's limits only.
+        Column("concurrency_key", name_type(), nullable=True),
+        # How often a handler snoozed the job (``sp.Snooze``): runs that took no attempt.
+        Column("snoozes", SmallInteger(), nullable=False, server_default=text("0")),
         Index("ix_proletarian_job_poll", "queue", "run_order", "process_at", "seq"),
         Index(UNIQUE_KEY_INDEX, "queue", "unique_key", unique=True),
         mysql_engine=_MYSQL_TABLE_ARGS["mysql_engine"],
@@ -152,6 +163,7 @@ class Job(Base):
             "unclean_ends",
             "cancel_requested_at",
             "uncharged_runs",
+            "snoozes",
         ],
     }
 
@@ -165,6 +177,7 @@ class Job(Base):
     trace_context: Mapped[str | None]
     run_order: Mapped[int]
     unique_key: Mapped[str | None]
+    concurrency_key: Mapped[str | None]
 
     def __init__(
         self,
@@ -180,10 +193,12 @@ class Job(Base):
         job_id_strategy: JobIdStrategy | None = None,
         clock: Clock | None = None,
         unique_key: None = None,
+        concurrency_key: str | None = None,
     ) -> None:
         """Validate and fill a job exactly as ``enqueue()`` does; a bad job fails here.
 
-        ``job_id``, ``serializer``, ``job_id_strategy`` and ``clock`` as for ``enqueue()``.
+        ``job_id``, ``serializer``, ``job_id_strategy``, ``clock`` and ``concurrency_key``
+        as for ``enqueue()``.
         A ``unique_key`` is refused: a flush could not hand back the id of the job holding
         the key, so such jobs go through ``sp.enqueue(session, ..., unique_key=...)``.
         """
@@ -205,6 +220,7 @@ class Job(Base):
             serializer=serializer,
             job_id_strategy=job_id_strategy,
             clock=clock,
+            concurrency_key=concurrency_key,
         )
         super().__init__(**values)
 
@@ -273,6 +289,10 @@ class ArchivedJob(Base):
     run_order: Mapped[int] = mapped_column(SmallInteger(), server_default=text("0"))
     #: The job's ``unique_key`` while it was queued (``retry_failed`` puts it back).
     unique_key: Mapped[str | None] = mapped_column(name_type(), nullable=True)
+    #: The job's ``concurrency_key`` (``retry_failed`` puts it back with it).
+    concurrency_key: Mapped[str | None] = mapped_column(name_type(), nullable=True)
+    #: How often its handler snoozed it (``sp.Snooze``).
+    snoozes: Mapped[int] = mapped_column(SmallInteger(), server_default=text("0"))
 
     @property
     def priority(self) -> int:
@@ -348,6 +368,58 @@ class PausedQueue(Base):
 
     queue: Mapped[str] = mapped_column(name_type(), primary_key=True)
     paused_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class QueueLimit(Base):
+    """A queue's flow control (``set_queue_limits``): every worker reads it at its claims.
+    A NULL column is no such limit; a rate limit is ``count`` starts in ``seconds``."""
+
+    __tablename__ = QUEUE_LIMIT_TABLE
+    __table_args__ = (_MYSQL_TABLE_ARGS,)
+
+    queue: Mapped[str] = mapped_column(name_type(), primary_key=True)
+    max_running: Mapped[int | None] = mapped_column(Integer(), nullable=True)
+    max_running_per_key: Mapped[int | None] = mapped_column(Integer(), nullable=True)
+    rate_count: Mapped[int | None] = mapped_column(Integer(), nullable=True)
+    rate_seconds: Mapped[float | None] = mapped_column(Float(), nullable=True)
+    key_rate_count: Mapped[int | None] = mapped_column(Integer(), nullable=True)
+    key_rate_seconds: Mapped[float | None] = mapped_column(Float(), nullable=True)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class Slot(Base):
+    """One of the places a limited queue's jobs run in: ``slot_key`` ``""`` for the queue's
+    ``max_running``, a ``concurrency_key`` for its ``max_running_per_key``; ``n`` from 1.
+
+    A transaction-mode run holds its slot's row lock until its transaction ends; a lease-mode
+    run is named by ``job_id`` and ``token``, and holds the slot while the job carries that
+    lease token unexpired. See ``sqla_proletarian.flow``."""
+
+    __tablename__ = SLOT_TABLE
+    __table_args__ = (_MYSQL_TABLE_ARGS,)
+
+    queue: Mapped[str] = mapped_column(name_type(), primary_key=True)
+    slot_key: Mapped[str] = mapped_column(name_type(), primary_key=True)
+    n: Mapped[int] = mapped_column(Integer(), primary_key=True, autoincrement=False)
+    job_id: Mapped[uuid.UUID | None] = mapped_column(Uuid(), nullable=True)
+    token: Mapped[uuid.UUID | None] = mapped_column(Uuid(), nullable=True)
+
+
+class Start(Base):
+    """A job start counted by a rate limit (or reserved for a claim under way): ``slot_key``
+    ``""`` for the queue's ``rate_limit``, a ``concurrency_key`` for ``rate_limit_per_key``.
+    Rows older than the queue's window are deleted by the claims."""
+
+    __tablename__ = START_TABLE
+    __table_args__ = (
+        Index("ix_proletarian_start_window", "queue", "slot_key", "started_at"),
+        _MYSQL_TABLE_ARGS,
+    )
+
+    id: Mapped[uuid.UUID] = mapped_column(Uuid(), primary_key=True)
+    queue: Mapped[str] = mapped_column(name_type())
+    slot_key: Mapped[str] = mapped_column(name_type())
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime())
 
 
 LIBRARY_TABLES = frozenset(metadata.tables)

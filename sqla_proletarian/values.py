@@ -118,6 +118,11 @@ def check_unique_key(value: object) -> str | None:
     return None if value is None else check_name("unique_key", value)
 
 
+def check_concurrency_key(value: object) -> str | None:
+    """None, or a key that per-key limits count by (a name, as a queue's)."""
+    return None if value is None else check_name("concurrency_key", value)
+
+
 def schedule(
     now: datetime, process_at: datetime | None, process_in: timedelta | float | None
 ) -> datetime:
@@ -149,6 +154,7 @@ def build_job_values(
     serializer: Serializer | None = None,
     job_id_strategy: JobIdStrategy | None = None,
     clock: Clock | None = None,
+    concurrency_key: str | None = None,
 ) -> dict[str, Any]:
     """The column values of a new job, validated; raises before anything is written. With
     OpenTelemetry, the enqueue's span is recorded here and its context kept in the row."""
@@ -156,6 +162,7 @@ def build_job_values(
     check_name("queue", queue)
     check_priority(priority)
     check_unique_key(unique_key)
+    check_concurrency_key(concurrency_key)
     now = check_aware("clock()", (clock or utc_now)())
     text = (serializer or DEFAULT_SERIALIZER).dumps(payload)
     if job_id is None:
@@ -164,6 +171,7 @@ def build_job_values(
         raise InvalidJobError("job_id", f"{job_id!r} is not a uuid.UUID")
     due = schedule(now, process_at, process_in)
     row = _new_row(job_id, queue, job_type, text, now, due, priority, unique_key)
+    row["concurrency_key"] = concurrency_key
     trace_context = telemetry.enqueue_context(queue, job_id=job_id, job_type=job_type)
     if trace_context is not None:
         row["trace_context"] = trace_context
@@ -192,6 +200,7 @@ def _new_row(
         # Stored negated: the poll reads ascending order (see models).
         "run_order": -priority,
         "unique_key": unique_key,
+        "concurrency_key": None,
     }
 
 
@@ -205,6 +214,7 @@ def build_many_job_values(
     serializer: Serializer | None = None,
     job_id_strategy: JobIdStrategy | None = None,
     clock: Clock | None = None,
+    concurrency_key: str | None = None,
 ) -> list[dict[str, Any]]:
     """The column values of many new jobs, ``(job_type, payload)`` pairs or
     ``(job_type, payload, unique_key)`` triples, validated as ``build_job_values`` does; what
@@ -212,6 +222,7 @@ def build_many_job_values(
     index (``jobs[3]``)."""
     check_name("queue", queue)
     check_priority(priority)
+    check_concurrency_key(concurrency_key)
     now = check_aware("clock()", (clock or utc_now)())
     due = schedule(now, process_at, process_in)
     dumps = (serializer or DEFAULT_SERIALIZER).dumps
@@ -239,7 +250,9 @@ def build_many_job_values(
             raise PayloadSerializationError(f"jobs[{index}]: {exc}", exc.payload) from exc
         except InvalidJobError as exc:
             raise InvalidJobError(f"jobs[{index}]", str(exc)) from exc
-        rows.append(_new_row(job_id, queue, job_type, text, now, due, priority, unique_key))
+        row = _new_row(job_id, queue, job_type, text, now, due, priority, unique_key)
+        row["concurrency_key"] = concurrency_key
+        rows.append(row)
     # One span for the batch, whose jobs share its context.
     trace_context = telemetry.enqueue_context(queue, batch=len(rows)) if rows else None
     if trace_context is not None:

@@ -12,8 +12,8 @@ it: ``create_tables`` is ``sqlap_0001``; ``add_run_owners`` and ``add_enqueue_no
 are ``sqlap_0002``; ``add_trace_context`` is ``sqlap_0003``; ``add_job_control`` is
 ``sqlap_0004``; ``add_archived_unique_key`` is ``sqlap_0005``; ``add_leases`` is
 ``sqlap_0006``; ``add_uncharged_runs`` is ``sqlap_0007``; ``add_job_history`` is
-``sqlap_0008``. A single-head project calls each new helper from a new revision of its own,
-in that order.
+``sqlap_0008``; ``add_flow_control`` is ``sqlap_0009``. A single-head project calls each
+new helper from a new revision of its own, in that order.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ __all__ = [
     "VERSION_LOCATION",
     "add_archived_unique_key",
     "add_enqueue_notifications",
+    "add_flow_control",
     "add_job_control",
     "add_job_history",
     "add_leases",
@@ -46,6 +47,7 @@ __all__ = [
     "create_tables",
     "drop_archived_unique_key",
     "drop_enqueue_notifications",
+    "drop_flow_control",
     "drop_job_control",
     "drop_job_history",
     "drop_leases",
@@ -66,7 +68,7 @@ BRANCH_LABEL = "sqla_proletarian"
 INITIAL_REVISION = "sqlap_0001"
 
 #: The newest revision of the library's branch.
-HEAD_REVISION = "sqlap_0008"
+HEAD_REVISION = "sqlap_0009"
 
 #: Each library revision, oldest first, with the helpers that make its schema change (called
 #: in this order from ``upgrade()``) and those that undo it (from ``downgrade()``): what
@@ -84,6 +86,7 @@ REVISION_HELPERS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("sqlap_0006", ("add_leases",), ("drop_leases",)),
     ("sqlap_0007", ("add_uncharged_runs",), ("drop_uncharged_runs",)),
     ("sqlap_0008", ("add_job_history",), ("drop_job_history",)),
+    ("sqlap_0009", ("add_flow_control",), ("drop_flow_control",)),
 )
 
 # Table names are spelled out (not imported from the models) so the revision stays as written.
@@ -94,6 +97,9 @@ _TABLES = (_JOB, _ARCHIVED_JOB, _JOB_RUN)
 _PERIODIC = "proletarian_periodic"
 _PAUSED_QUEUE = "proletarian_paused_queue"
 _JOB_HISTORY = "proletarian_job_history"
+_QUEUE_LIMIT = "proletarian_queue_limit"
+_SLOT = "proletarian_slot"
+_START = "proletarian_start"
 _POLL_INDEX = "ix_proletarian_job_poll"
 _UNIQUE_KEY_INDEX = "ix_proletarian_job_unique_key"
 
@@ -417,3 +423,62 @@ def drop_job_history(op: Operations | ModuleType | None = None) -> None:
     """Undo :func:`add_job_history`: the earlier ends it kept are gone."""
     ops = _operations(op)
     ops.drop_table(_JOB_HISTORY)
+
+
+def add_flow_control(op: Operations | ModuleType | None = None) -> None:
+    """Flow control and snoozes (``sqlap_0009``): ``concurrency_key`` and ``snoozes`` on the
+    job and archive tables (NULL and 0 for the rows there), and three tables, empty at first:
+    ``proletarian_queue_limit`` (a queue's limits), ``proletarian_slot`` (the places a
+    limited queue's jobs run in) and ``proletarian_start`` (the starts a rate limit counts)."""
+    ops = _operations(op)
+    dialect = ops.get_context().dialect
+    for table in (_JOB, _ARCHIVED_JOB):
+        ops.add_column(table, sa.Column("concurrency_key", _name(dialect), nullable=True))
+        ops.add_column(
+            table,
+            sa.Column("snoozes", sa.SmallInteger(), server_default=sa.text("0"), nullable=False),
+        )
+    ops.create_table(
+        _QUEUE_LIMIT,
+        sa.Column("queue", _name(dialect), nullable=False),
+        sa.Column("max_running", sa.Integer(), nullable=True),
+        sa.Column("max_running_per_key", sa.Integer(), nullable=True),
+        sa.Column("rate_count", sa.Integer(), nullable=True),
+        sa.Column("rate_seconds", sa.Float(), nullable=True),
+        sa.Column("key_rate_count", sa.Integer(), nullable=True),
+        sa.Column("key_rate_seconds", sa.Float(), nullable=True),
+        sa.Column("updated_at", _timestamp(), nullable=False),
+        sa.PrimaryKeyConstraint("queue", name=ops.f("pk_proletarian_queue_limit")),
+        **_MYSQL_TABLE_OPTIONS,
+    )
+    ops.create_table(
+        _SLOT,
+        sa.Column("queue", _name(dialect), nullable=False),
+        sa.Column("slot_key", _name(dialect), nullable=False),
+        sa.Column("n", sa.Integer(), autoincrement=False, nullable=False),
+        sa.Column("job_id", sa.Uuid(), nullable=True),
+        sa.Column("token", sa.Uuid(), nullable=True),
+        sa.PrimaryKeyConstraint("queue", "slot_key", "n", name=ops.f("pk_proletarian_slot")),
+        **_MYSQL_TABLE_OPTIONS,
+    )
+    ops.create_table(
+        _START,
+        sa.Column("id", sa.Uuid(), nullable=False),
+        sa.Column("queue", _name(dialect), nullable=False),
+        sa.Column("slot_key", _name(dialect), nullable=False),
+        sa.Column("started_at", _timestamp(), nullable=False),
+        sa.PrimaryKeyConstraint("id", name=ops.f("pk_proletarian_start")),
+        **_MYSQL_TABLE_OPTIONS,
+    )
+    ops.create_index("ix_proletarian_start_window", _START, ["queue", "slot_key", "started_at"])
+
+
+def drop_flow_control(op: Operations | ModuleType | None = None) -> None:
+    """Undo :func:`add_flow_control`: queues lose their limits, jobs their concurrency keys
+    and snooze counts; queued jobs stay."""
+    ops = _operations(op)
+    for table in (_START, _SLOT, _QUEUE_LIMIT):
+        ops.drop_table(table)
+    for table in (_ARCHIVED_JOB, _JOB):
+        ops.drop_column(table, "snoozes")
+        ops.drop_column(table, "concurrency_key")

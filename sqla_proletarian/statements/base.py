@@ -25,6 +25,9 @@ from sqla_proletarian.models import (
     JobRun,
     PausedQueue,
     PeriodicSchedule,
+    QueueLimit,
+    Slot,
+    Start,
 )
 
 JOB = Job.__table__
@@ -33,6 +36,9 @@ RUN = cast(Table, JobRun.__table__)
 PERIODIC = cast(Table, PeriodicSchedule.__table__)
 PAUSED = cast(Table, PausedQueue.__table__)
 HISTORY = cast(Table, JobHistory.__table__)
+LIMITS = cast(Table, QueueLimit.__table__)
+SLOTS = cast(Table, Slot.__table__)
+STARTS = cast(Table, Start.__table__)
 
 #: The columns a claimed job is read with, in order.
 JOB_COLUMNS = (
@@ -46,6 +52,7 @@ JOB_COLUMNS = (
     JOB.c.trace_context,
     JOB.c.run_order,
     JOB.c.unique_key,
+    JOB.c.concurrency_key,
     JOB.c.lease_token,
     JOB.c.due_at,
     JOB.c.unclean_ends,

@@ -113,6 +113,7 @@ def _archive_lease(upsert: ArchiveUpsert, cancelling: bool) -> Executable:
         func.coalesce(done.c.due_at, done.c.process_at),
         done.c.run_order,
         done.c.unique_key,
+        done.c.concurrency_key,
         bindparam("status", type_=ARCHIVE.c.status.type),
         bindparam("now", type_=ARCHIVE.c.finished_at.type),
         bindparam("error", type_=ARCHIVE.c.error.type),
