@@ -18,13 +18,14 @@ in the same transaction as the rest of the claim, both modes alike:
   has left. A sliding window over stored start times: no window ever holds more than
   ``count``. Reservations a claim did not use are deleted with it.
 
-A worker learns that a queue has limits when a claim comes back short (the poll skipped the
-queue); from then on it reads the queue's limits at each claim, and forgets them when they
-are cleared.
+A worker learns that a queue has limits when a claim comes back empty, or short once a second
+(the poll skipped the queue); from then on it reads the queue's limits at each claim, and
+forgets them when they are cleared.
 """
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -45,6 +46,9 @@ RATE_MARGIN = 0.2
 CANDIDATES = 50
 #: Reads of due jobs a claim makes at most, each past the keys found at their limit.
 ROUNDS = 4
+#: Seconds between a runner's looks for queues that got limits, while its claims find jobs
+#: (a claim that finds none looks at once). Until it looks, the poll skips such a queue.
+LOOK_INTERVAL = 1.0
 
 Slot = tuple[str, str, int, uuid.UUID]
 
@@ -68,8 +72,9 @@ class FlowControl:
         self.engine = engine
         self.queues = queues
         self.leases = leases
-        #: The queues known to have limits, with the limits last read.
+        #: The queues known to have limits, with the limits last read, and when (monotonic).
         self.known: dict[str, QueueLimits] = {}
+        self.looked = 0.0
 
     def prepare(
         self,
@@ -198,15 +203,18 @@ class FlowClaim:
     def _read(self) -> None:
         self._limits = read_limits(self.conn, self.control.queues)
         self.control.known = dict(self._limits)
+        self.control.looked = time.monotonic()
 
     def limits(self, queue: str) -> QueueLimits | None:
         """The queue's limits as this claim read them (None: none known)."""
         return None if self._limits is None else self._limits.get(queue)
 
-    def came_back_short(self) -> None:
+    def came_back_short(self, empty: bool) -> None:
         """The claim found fewer jobs than it could take: a queue may have limits it did not
-        know of (the poll skipped it); read them, for the next claim."""
-        if self._limits is None:
+        know of (the poll skipped it). Read them, for the next claim, when it found none or
+        no claim has read them for ``LOOK_INTERVAL``."""
+        control = self.control
+        if self._limits is None and (empty or time.monotonic() - control.looked > LOOK_INTERVAL):
             self._read()
 
     def claim(

@@ -38,6 +38,8 @@ from sqla_proletarian.values import build_job_values
 
 INDEX = "ix_proletarian_job_poll"
 PAUSED = ("proletarian_paused_queue", "pk_proletarian_paused_queue")
+#: The poll also checks that the queue has no limits (a limited queue is claimed by ``flow``).
+LIMITED = ("proletarian_queue_limit", "pk_proletarian_queue_limit")
 RUN_INDEX = "ix_proletarian_job_run_job_id"
 ARCHIVE_INDEX = "ix_proletarian_archived_job_finished_at"
 TABLES = ("proletarian_job", "proletarian_archived_job", "proletarian_job_run")
@@ -206,9 +208,10 @@ def check_plan(engine: sa.Engine, backend: str, queue: str, *, with_runs: bool) 
     if backend == "postgresql":
         nodes = postgresql_plan(engine, statement)
         kinds = [node["Node Type"] for node in nodes]
-        expected = [("proletarian_job", INDEX), PAUSED]
-        (paused,) = [n for n in nodes if n.get("Relation Name") == PAUSED[0]]
-        assert paused["Parent Relationship"] == "InitPlan", kinds  # once per poll
+        expected = [("proletarian_job", INDEX), PAUSED, LIMITED]
+        for table in (PAUSED, LIMITED):
+            (check,) = [n for n in nodes if n.get("Relation Name") == table[0]]
+            assert check["Parent Relationship"] == "InitPlan", kinds  # once per poll
         if with_runs:
             expected.append(("proletarian_job_run", RUN_INDEX))
             (subplan,) = [n for n in nodes if n.get("Parent Relationship") == "SubPlan"]
@@ -221,11 +224,15 @@ def check_plan(engine: sa.Engine, backend: str, queue: str, *, with_runs: bool) 
         assert "LockRows" in kinds, kinds
     elif backend == "mariadb":
         plan = {row.table: dict(row._mapping) for row in explain(engine, "EXPLAIN ", statement)}
-        # The pause check: a primary-key lookup made while planning; with no row for the
-        # queue, MariaDB reports "no matching row in const table" and no table.
-        paused = plan.pop(None)
-        assert paused["select_type"] == "SUBQUERY", paused
-        assert paused["Extra"] == "no matching row in const table", paused
+        # The pause and limits checks: primary-key lookups made while planning; with no row
+        # for the queue, MariaDB reports "no matching row in const table" and no table.
+        rows = [dict(row._mapping) for row in explain(engine, "EXPLAIN ", statement)]
+        checks = [row for row in rows if row["table"] is None]
+        plan.pop(None)
+        assert len(checks) == 2, rows
+        for check in checks:
+            assert check["select_type"] == "SUBQUERY", check
+            assert check["Extra"] == "no matching row in const table", check
         tables = {"proletarian_job", "proletarian_job_run"} if with_runs else {"proletarian_job"}
         assert set(plan) == tables, plan
         job = plan["proletarian_job"]
@@ -245,8 +252,9 @@ def check_plan(engine: sa.Engine, backend: str, queue: str, *, with_runs: bool) 
             assert any(f"INDEX {RUN_INDEX} (job_id=?)" in detail for detail in details), details
         assert not any("TEMP B-TREE" in detail for detail in details), details
         assert not any(detail.startswith("SCAN") for detail in details), details
-        paused = [detail for detail in details if PAUSED[0] in detail]
-        assert len(paused) == 1 and "(queue=?)" in paused[0], details
+        for table in (PAUSED, LIMITED):
+            checks = [detail for detail in details if table[0] in detail]
+            assert len(checks) == 1 and "(queue=?)" in checks[0], details
 
 
 def priority_reads(engine: sa.Engine, queue: str) -> list[Statement]:
@@ -292,7 +300,7 @@ def check_first_poll_plan(engine: sa.Engine, backend: str, queue: str, *, with_r
     if backend == "postgresql":
         nodes = postgresql_plan(engine, statement)
         kinds = [node["Node Type"] for node in nodes]
-        expected = {("proletarian_job", INDEX), PAUSED}
+        expected = {("proletarian_job", INDEX), PAUSED, LIMITED}
         if with_runs:
             expected.add(("proletarian_job_run", RUN_INDEX))
         assert set(scans(nodes)) == expected, kinds
