@@ -184,7 +184,7 @@ def poll_queues(
         if len(jobs) == limit:
             break
     if flow is not None and len(jobs) < limit:
-        flow.came_back_short(not jobs)
+        flow.came_back_short()
     return jobs
 
 

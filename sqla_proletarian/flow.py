@@ -18,7 +18,7 @@ in the same transaction as the rest of the claim, both modes alike:
   has left. A sliding window over stored start times: no window ever holds more than
   ``count``. Reservations a claim did not use are deleted with it.
 
-A worker learns that a queue has limits when a claim comes back empty, or short once a second
+A worker learns that a queue has limits at a claim that comes back short, within a second
 (the poll skipped the queue); from then on it reads the queue's limits at each claim, and
 forgets them when they are cleared.
 """
@@ -46,8 +46,8 @@ RATE_MARGIN = 0.2
 CANDIDATES = 50
 #: Reads of due jobs a claim makes at most, each past the keys found at their limit.
 ROUNDS = 4
-#: Seconds between a runner's looks for queues that got limits, while its claims find jobs
-#: (a claim that finds none looks at once). Until it looks, the poll skips such a queue.
+#: Seconds between a runner's looks for queues that got limits (at a claim that found fewer
+#: jobs than it could take). Until it looks, the poll skips such a queue.
 LOOK_INTERVAL = 1.0
 
 Slot = tuple[str, str, int, uuid.UUID]
@@ -209,12 +209,11 @@ class FlowClaim:
         """The queue's limits as this claim read them (None: none known)."""
         return None if self._limits is None else self._limits.get(queue)
 
-    def came_back_short(self, empty: bool) -> None:
+    def came_back_short(self) -> None:
         """The claim found fewer jobs than it could take: a queue may have limits it did not
-        know of (the poll skipped it). Read them, for the next claim, when it found none or
-        no claim has read them for ``LOOK_INTERVAL``."""
-        control = self.control
-        if self._limits is None and (empty or time.monotonic() - control.looked > LOOK_INTERVAL):
+        know of (the poll skipped it). Read them, for the next claim, unless a claim did
+        within ``LOOK_INTERVAL``."""
+        if self._limits is None and time.monotonic() - self.control.looked > LOOK_INTERVAL:
             self._read()
 
     def claim(
