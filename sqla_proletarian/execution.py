@@ -30,7 +30,7 @@ from sqla_proletarian.errors import (
     is_lock_conflict,
     is_transient,
 )
-from sqla_proletarian.flow import FlowClaim, Reserved
+from sqla_proletarian.flow import FlowClaim, Reserved, too_late
 from sqla_proletarian.handlers import JobContext, JobSession, SessionOnFirstUse, StopSignal
 from sqla_proletarian.ledger import ClaimRecords
 from sqla_proletarian.logs import log_event
@@ -359,6 +359,9 @@ class JobRunner(RunnerBase):
                 if self._stopping():
                     # No handler starts after stop(): the jobs not yet run are released at
                     # the commit.
+                    break
+                if too_late(claim.job, self.now()):
+                    self._started_late(claim.job)
                     break
                 claim.phase = "running"
                 claim.started = time.monotonic()

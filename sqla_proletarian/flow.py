@@ -16,7 +16,9 @@ in the same transaction as the rest of the claim, both modes alike:
   worker reserves starts in a short transaction of its own, in turn with the queue's other
   workers (the limit row's lock): at most what the window (``seconds``, plus ``RATE_MARGIN``)
   has left. A sliding window over stored start times: no window ever holds more than
-  ``count``. Reservations a claim did not use are deleted with it.
+  ``count``. Reservations a claim did not use are deleted with it. A handler starts within
+  ``RATE_MARGIN`` of its reservation or not at all (its job goes back unrun, uncharged), so
+  the windows hold over the handlers' own start times too.
 
 A worker learns that a queue has limits at a claim that comes back short, within a second
 (the poll skipped the queue); from then on it reads the queue's limits at each claim, and
@@ -42,6 +44,19 @@ from sqla_proletarian.statements import flow as sql
 #: claim's reservation and its handler's start, so that no window of ``seconds`` over the
 #: handlers' own start times holds more than ``count`` either.
 RATE_MARGIN = 0.2
+#: The key of a claimed job (dict) that a rate limit admitted: the latest time (the worker's
+#: clock) its handler may start at; a run that would start later is given back unrun.
+START_BY = "start_by"
+
+
+def too_late(job: dict[str, Any], now: datetime) -> bool:
+    """Whether a rate-limited job's handler would start past the margin its start was
+    counted with (a worker so slow that a window of its own start times could hold more
+    than the limit): its job goes back to the queue unrun and uncharged instead."""
+    start_by = job.get(START_BY)
+    return start_by is not None and now > start_by
+
+
 #: Due jobs read at a time by a claim that walks a queue by key.
 CANDIDATES = 50
 #: Reads of due jobs a claim makes at most, each past the keys found at their limit.
@@ -58,6 +73,8 @@ class Reserved:
     """Starts reserved for one claim of a queue, by slot key (``""``: the queue's own)."""
 
     by_key: dict[str, list[uuid.UUID]] = field(default_factory=dict)
+    #: When they were reserved: the start time every window counts them at.
+    at: datetime | None = None
 
     def unused(self) -> list[uuid.UUID]:
         return [start for starts in self.by_key.values() for start in starts]
@@ -85,18 +102,22 @@ class FlowControl:
     ) -> dict[str, Reserved]:
         """Before a claim's transaction: reserve the starts that rate-limited queues allow
         it, in a short transaction of its own (committed, so every worker counts them)."""
-        rated = [q for q, limits in self.known.items() if _rated(limits)]
+        # In name order: workers that serve the same queues in other orders take turns on
+        # their limit rows without a deadlock.
+        rated = sorted(q for q, limits in self.known.items() if _rated(limits))
         if not rated:
             return {}
         reserved: dict[str, Reserved] = {}
         begin(conn)
         try:
+            for queue in rated:
+                conn.execute(*sql.lock_limits(queue))
+            # Read once the locks are held: a change committed meanwhile is seen.
             fresh = read_limits(conn, tuple(rated))
             for queue in rated:
                 limits = fresh.get(queue)
                 if limits is None or not _rated(limits):
                     continue  # the claim reads the limits again and learns of the change
-                conn.execute(*sql.lock_limits(queue))
                 reserved[queue] = _reserve(conn, queue, limits, now, batch)
             conn.commit()
         except BaseException:
@@ -134,7 +155,7 @@ def _reserve(
     if limits.rate_limit_per_key is not None:
         wanted.update(_key_starts(conn, queue, limits.rate_limit_per_key, now, batch))
     rows: list[dict[str, Any]] = []
-    reserved = Reserved()
+    reserved = Reserved(at=now)
     for key, number in wanted.items():
         starts = [uuid.uuid4() for _ in range(max(0, number))]
         reserved.by_key[key] = starts
@@ -249,6 +270,8 @@ class FlowClaim:
         jobs = []
         for index, (job, key_slot) in enumerate(picked):
             job_id = job["job_id"]
+            if reserved is not None and reserved.at is not None:
+                job[START_BY] = reserved.at + timedelta(seconds=RATE_MARGIN)
             if queue_slots:
                 self.taken.append((queue, "", queue_slots[index], job_id))
             if limits.rate_limit is not None:

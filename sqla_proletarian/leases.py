@@ -41,6 +41,7 @@ from sqla_proletarian.errors import (
     is_transient,
 )
 from sqla_proletarian.execution import JobRunner, poll_queues
+from sqla_proletarian.flow import too_late
 from sqla_proletarian.handlers import JobContext, JobSession, StopSignal
 from sqla_proletarian.logs import log_event
 from sqla_proletarian.running import (
@@ -569,6 +570,10 @@ class LeaseRunner(RunnerBase):
 
     def _run(self, run: LeasedRun, defer: Callable[[LeasedRun], None] | None = None) -> None:
         job = run.job
+        if too_late(job, self.now()):
+            self._started_late(job)
+            self._release([run])
+            return
         fields = self._fields(job)
         payload, decode_error = self._payload(job)
         session = run.session = LeaseSession(self.engine, self.dialect)

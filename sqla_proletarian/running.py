@@ -275,6 +275,16 @@ class RunnerBase:
             RUNNING_SIGNAL.reset(running)
         _check_result(result)
 
+    def _started_late(self, job: dict[str, Any]) -> None:
+        """A rate-limited run given back unrun: its handler would have started too late."""
+        log_event(
+            logging.INFO,
+            "start-too-late",
+            **self._fields(job),
+            hint="its rate limit counted its start more than flow.RATE_MARGIN before now; "
+            "the job goes back to the queue unrun and uncharged (an overloaded worker)",
+        )
+
     # --- the outcome ----------------------------------------------------------------------
 
     def _retry_at(
