@@ -7,6 +7,8 @@ process (each with several threads, each thread its own connections) share a que
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 import time
 import uuid
@@ -17,7 +19,9 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from helpers import archived, count, wait_for
+from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import Session
+from test_leases_asyncio import ASYNC_DRIVERNAME
 
 import sqla_proletarian as sp
 
@@ -220,3 +224,48 @@ def test_queue_limits_are_read_back_set_whole_and_refused_when_bad(engine: sa.En
     assert set(sp.queue_limits(engine)) == {"b"}
     with pytest.raises(sp.InvalidJobError, match="concurrency_key"), Session(engine) as session:
         sp.enqueue(session, "work", concurrency_key="")
+
+
+def test_the_asyncio_workers_claims_keep_max_running_and_the_per_key_limit(
+    database: Any, engine: sa.Engine, mode: str
+) -> None:
+    """Two asyncio workers of eight tasks each: at most two jobs run, one of each key."""
+    set_limits(engine, max_running=2, max_running_per_key=1)
+    enqueue(engine, 8, key="A")
+    enqueue(engine, 8, key="B")
+    runs: list[tuple[str, float, float]] = []
+
+    async def handler(job: sp.AsyncJobContext) -> None:
+        start = time.monotonic()
+        await asyncio.sleep(0.03)
+        runs.append((job.payload["key"], start, time.monotonic()))
+
+    async def main() -> None:
+        url = database.url.set(drivername=ASYNC_DRIVERNAME[database.backend])
+        engines = [create_async_engine(url) for _ in range(2)]
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                for async_engine in engines:
+                    worker = sp.create_async_queue_worker(
+                        async_engine,
+                        handler,
+                        handler_mode="advanced",
+                        concurrency=8,
+                        queues=["q"],
+                        **MODES[mode],
+                    )
+                    await stack.enter_async_context(worker)
+                deadline = time.monotonic() + 60
+                while await asyncio.to_thread(count, engine, sp.ArchivedJob) < 16:
+                    assert time.monotonic() < deadline, "the jobs were not all archived"
+                    await asyncio.sleep(0.05)
+        finally:
+            for async_engine in engines:
+                await async_engine.dispose()
+
+    asyncio.run(main())
+    recorded = Intervals()
+    recorded.runs = [(uuid.uuid4(), key, start, end) for key, start, end in runs]
+    assert len(runs) == 16
+    assert recorded.most_at_once() <= 2
+    assert recorded.most_at_once("A") == recorded.most_at_once("B") == 1
