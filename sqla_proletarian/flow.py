@@ -64,6 +64,9 @@ ROUNDS = 4
 #: Seconds between a runner's looks for queues that got limits (at a claim that found fewer
 #: jobs than it could take). Until it looks, the poll skips such a queue.
 LOOK_INTERVAL = 1.0
+#: Seconds between a runner's deletions of a rate-limited queue's starts that no window
+#: counts any more.
+PRUNE_INTERVAL = 1.0
 
 Slot = tuple[str, str, int, uuid.UUID]
 
@@ -73,6 +76,8 @@ class Reserved:
     """Starts reserved for one claim of a queue, by slot key (``""``: the queue's own)."""
 
     by_key: dict[str, list[uuid.UUID]] = field(default_factory=dict)
+    #: The queue's limits, read under its limit row's lock.
+    limits: QueueLimits = field(default_factory=QueueLimits)
     #: When they were reserved: the start time every window counts them at.
     at: datetime | None = None
 
@@ -92,6 +97,8 @@ class FlowControl:
         #: The queues known to have limits, with the limits last read, and when (monotonic).
         self.known: dict[str, QueueLimits] = {}
         self.looked = 0.0
+        #: When the runner last removed a queue's starts that no window counts (monotonic).
+        self.pruned: dict[str, float] = {}
 
     def prepare(
         self,
@@ -118,7 +125,10 @@ class FlowControl:
                 limits = fresh.get(queue)
                 if limits is None or not _rated(limits):
                     continue  # the claim reads the limits again and learns of the change
-                reserved[queue] = _reserve(conn, queue, limits, now, batch)
+                prune = time.monotonic() - self.pruned.get(queue, 0.0) > PRUNE_INTERVAL
+                reserved[queue] = _reserve(conn, queue, limits, now, batch, prune=prune)
+                if prune:
+                    self.pruned[queue] = time.monotonic()
             conn.commit()
         except BaseException:
             if conn.in_transaction() and not conn.invalidated:
@@ -140,12 +150,14 @@ def _window_start(now: datetime, seconds: float) -> datetime:
 
 
 def _reserve(
-    conn: Connection, queue: str, limits: QueueLimits, now: datetime, batch: int
+    conn: Connection, queue: str, limits: QueueLimits, now: datetime, batch: int, *, prune: bool
 ) -> Reserved:
     """Reserve the starts one claim of ``queue`` may make: the queue's own, and each key's
     for the due jobs a claim would meet first (keys with none left are looked past)."""
-    longest = max(rate[1] for rate in (limits.rate_limit, limits.rate_limit_per_key) if rate)
-    conn.execute(*sql.prune_starts(queue, _window_start(now, longest)))
+    if prune:
+        rates = (limits.rate_limit, limits.rate_limit_per_key)
+        longest = max(rate[1] for rate in rates if rate)
+        conn.execute(*sql.prune_starts(queue, _window_start(now, longest)))
     wanted: dict[str, int] = {}
     if limits.rate_limit is not None:
         count, seconds = limits.rate_limit
@@ -155,7 +167,7 @@ def _reserve(
     if limits.rate_limit_per_key is not None:
         wanted.update(_key_starts(conn, queue, limits.rate_limit_per_key, now, batch))
     rows: list[dict[str, Any]] = []
-    reserved = Reserved(at=now)
+    reserved = Reserved(at=now, limits=limits)
     for key, number in wanted.items():
         starts = [uuid.uuid4() for _ in range(max(0, number))]
         reserved.by_key[key] = starts
@@ -218,10 +230,16 @@ class FlowClaim:
         #: its later lock statements skip them.
         self._locked: dict[tuple[str, str], list[int]] = {}
         self._limits: dict[str, QueueLimits] | None = None
+        self._looked = False
         if control.known:
-            self._read()
+            if all(queue in reserved for queue in control.known):
+                # Read under the limit rows' locks by the reservations, just before.
+                self._limits = {queue: r.limits for queue, r in reserved.items()}
+            else:
+                self._read()
 
     def _read(self) -> None:
+        self._looked = True
         self._limits = read_limits(self.conn, self.control.queues)
         self.control.known = dict(self._limits)
         self.control.looked = time.monotonic()
@@ -234,7 +252,7 @@ class FlowClaim:
         """The claim found fewer jobs than it could take: a queue may have limits it did not
         know of (the poll skipped it). Read them, for the next claim, unless a claim did
         within ``LOOK_INTERVAL``."""
-        if self._limits is None and time.monotonic() - self.control.looked > LOOK_INTERVAL:
+        if not self._looked and time.monotonic() - self.control.looked > LOOK_INTERVAL:
             self._read()
 
     def claim(
@@ -378,7 +396,11 @@ class FlowClaim:
         """In the claim's transaction, before its commit: lease mode names each slot's holder
         (the job and the claim's ``token``); the starts reserved and not used go back."""
         if token is not None and self.taken:
-            self.conn.execute(*sql.name_holders(self.taken, token))
+            groups: dict[tuple[str, str], dict[int, uuid.UUID]] = {}
+            for queue, key, n, job_id in self.taken:
+                groups.setdefault((queue, key), {})[n] = job_id
+            for (queue, key), holders in groups.items():
+                self.conn.execute(*sql.name_holders(queue, key, holders, token))
         unused = [start for reserved in self.reserved.values() for start in reserved.unused()]
         if unused:
             self.conn.execute(*sql.delete_starts(unused))

@@ -18,6 +18,7 @@ from sqla_proletarian.values import Clock, check_aware, check_name, utc_now
 
 __all__ = [
     "MAX_LIMIT",
+    "MAX_RATE_COUNT",
     "MAX_RATE_SECONDS",
     "QueueLimits",
     "clear_queue_limits",
@@ -27,6 +28,8 @@ __all__ = [
 
 #: The largest ``max_running`` and ``max_running_per_key`` (each is a row per slot).
 MAX_LIMIT = 10_000
+#: The largest count of a rate limit (its window keeps a row per start).
+MAX_RATE_COUNT = 1_000_000
 #: The longest rate-limit window: a week, in seconds.
 MAX_RATE_SECONDS = 604_800.0
 
@@ -98,7 +101,8 @@ def check_running(name: str, value: object) -> int | None:
 
 
 def check_rate(name: str, value: object) -> Rate | None:
-    """None, or ``(count, seconds)``: count 1 to MAX_LIMIT, seconds more than 0, up to a week."""
+    """None, or ``(count, seconds)``: count 1 to MAX_RATE_COUNT, seconds more than 0, up to a
+    week."""
     if value is None:
         return None
     count: Any
@@ -110,7 +114,10 @@ def check_rate(name: str, value: object) -> Rate | None:
             f"{name}: {value!r} is not a (count, seconds) pair; give e.g. (10, 1.0) for at "
             "most 10 starts in any second"
         ) from None
-    check_running(f"{name}'s count", count)
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_RATE_COUNT:
+        raise ConfigurationError(
+            f"{name}'s count: {count!r} is not a whole number from 1 to {MAX_RATE_COUNT:,}"
+        )
     if isinstance(seconds, bool) or not isinstance(seconds, int | float):
         raise ConfigurationError(f"{name}'s seconds: {seconds!r} is not a number of seconds")
     if not math.isfinite(seconds) or not 0 < seconds <= MAX_RATE_SECONDS:

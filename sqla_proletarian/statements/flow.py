@@ -16,7 +16,9 @@ from sqlalchemy import (
     Executable,
     Integer,
     Select,
+    Uuid,
     bindparam,
+    case,
     delete,
     func,
     insert,
@@ -119,25 +121,23 @@ def live_leases(job_ids: list[uuid.UUID], now: datetime) -> Statement:
     return _LIVE_LEASES, {"ids": job_ids, "now": now}
 
 
-_NAME_HOLDER = (
-    update(SLOTS)
-    .where(
-        SLOTS.c.queue == bindparam("s_queue"),
-        SLOTS.c.slot_key == bindparam("s_key"),
-        SLOTS.c.n == bindparam("s_n"),
+def name_holders(
+    queue: str, key: str, holders: dict[int, uuid.UUID], token: uuid.UUID
+) -> Statement:
+    """Lease mode: the slots of ``(queue, key)`` a claim took name their jobs (slot number:
+    job id) and the claim's lease token, in one statement."""
+    numbers = sorted(holders)
+    job_id = case(
+        {n: bindparam(f"job_{n}", holders[n], type_=Uuid()) for n in numbers}, value=SLOTS.c.n
     )
-    .values(job_id=bindparam("s_job_id"), token=bindparam("s_token"))
-)
-
-
-def name_holders(slots: list[tuple[str, str, int, uuid.UUID]], token: uuid.UUID) -> Statement:
-    """Lease mode: each slot a claim took names its job and the claim's lease token (one
-    executemany: ``(queue, key, n, job_id)`` each)."""
-    rows = [
-        {"s_queue": q, "s_key": k, "s_n": n, "s_job_id": job_id, "s_token": token}
-        for q, k, n, job_id in slots
-    ]
-    return _NAME_HOLDER, rows  # type: ignore[return-value]
+    statement = (
+        update(SLOTS)
+        .where(SLOTS.c.queue == bindparam("s_queue"), SLOTS.c.slot_key == bindparam("s_key"))
+        .where(SLOTS.c.n.in_(bindparam("s_numbers", expanding=True, type_=Integer())))
+        .values(job_id=job_id, token=bindparam("s_token", type_=Uuid()))
+    )
+    params = {"s_queue": queue, "s_key": key, "s_numbers": numbers, "s_token": token}
+    return statement, params
 
 
 _SLOT_NUMBERS = select(SLOTS.c.slot_key, SLOTS.c.n).where(
