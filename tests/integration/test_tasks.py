@@ -161,7 +161,9 @@ def test_with_options_overrides_the_tasks_defaults_even_for_same_named_parameter
     engine: sa.Engine,
 ) -> None:
     """The task's own parameters are called queue and priority: enqueue passes them to the
-    function, with_options sets the job's; the task's defaults stay as they were."""
+    function, with_options sets the job's; the task's defaults stay as they were, and a
+    later with_options keeps the earlier's but for what it gives (a due time replaces the
+    other kind)."""
     handlers = sp.JobHandlers()
 
     @handlers.task("route", queue="mail", priority=3, concurrency_key="tenant-1")
@@ -178,7 +180,8 @@ def test_with_options_overrides_the_tasks_defaults_even_for_same_named_parameter
     assert later.job_type == route.job_type and later.fn is route.fn
     other = committed(engine, lambda s: later.enqueue(s, "q", 1))
     again = committed(engine, lambda s: later.enqueue(s, "q", 2))
-    at = committed(engine, lambda s: route.with_options(process_at=T0).enqueue(s, "q", 3))
+    at_t0 = later.with_options(process_at=T0, unique_key=None)  # replaces process_in
+    at = committed(engine, lambda s: at_t0.enqueue(s, "q", 3))
     rows = {job.job_id: job for job in jobs(engine)}
     assert again == other, "the unique key was taken by the first job"
     assert len(rows) == 3
@@ -197,7 +200,12 @@ def test_with_options_overrides_the_tasks_defaults_even_for_same_named_parameter
         "route-once",
     )
     assert second.process_at - second.enqueued_at == timedelta(seconds=30)
-    assert third.process_at == T0
+    assert (third.queue, third.priority, third.unique_key, third.process_at) == (
+        "slow",
+        -5,
+        None,
+        T0,
+    )
     with pytest.raises(sp.ConfigurationError, match="not supported yet"):
         route.with_options(depends_on=[other])
 
