@@ -397,7 +397,8 @@ class JobHandlers:
         return fn
 
     def handler_for(self, job_type: str) -> Callable[..., Any]:
-        """The function that handles ``job_type``; raises UnknownJobTypeError if none does."""
+        """The function that handles ``job_type`` (a task's own function, which takes its
+        jobs' arguments); raises UnknownJobTypeError if none does."""
         handler = self._handlers.get(job_type, self._default)
         if handler is None:
             raise UnknownJobTypeError(job_type, self._handlers)

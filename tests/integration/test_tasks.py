@@ -18,6 +18,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import Session
 
 import sqla_proletarian as sp
+from sqla_proletarian.testing import drain as drain_for_tests
 
 ASYNC_DRIVERNAME = {
     "sqlite": "sqlite+aiosqlite",
@@ -324,6 +325,28 @@ def test_a_tasks_retry_replaces_the_workers_retry_strategy_for_its_job_type(
         ("picky", "failure", 2),
         ("plain", "failure", 1),
     }
+
+
+def test_testing_drain_keeps_a_tasks_retry_and_refuses_its_timeout_without_a_lease(
+    engine: sa.Engine,
+) -> None:
+    handlers = sp.JobHandlers()
+    runs: list[int] = []
+
+    @handlers.task("flaky", retry=sp.RetryStrategy(1))
+    def flaky() -> None:
+        runs.append(1)
+        raise RuntimeError("flaky")
+
+    committed(engine, flaky.enqueue)
+    assert drain_for_tests(engine, handlers) == 2
+    assert runs == [1, 1]
+
+    @handlers.task("slow", timeout=5)
+    def slow() -> None: ...
+
+    with pytest.raises(sp.ConfigurationError, match="lease_seconds"):
+        drain_for_tests(engine, handlers)
 
 
 def test_a_tasks_retry_applies_in_the_asyncio_worker(database: Any) -> None:
