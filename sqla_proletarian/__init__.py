@@ -10,13 +10,14 @@ from sqla_proletarian.errors import (
     InvalidRetryStrategyError,
     JobCrashedError,
     JobTimeoutError,
+    NoCurrentJobError,
     NotATransactionError,
     PayloadDeserializationError,
     PayloadSerializationError,
     ProletarianError,
     UnknownJobTypeError,
 )
-from sqla_proletarian.handlers import AsyncJobContext, JobContext, JobHandlers
+from sqla_proletarian.handlers import AsyncJobContext, JobContext, JobHandlers, current_job
 from sqla_proletarian.inspection import (
     JOB_STATES,
     EarlierOutcome,
@@ -57,6 +58,7 @@ from sqla_proletarian.options import WorkerOptions
 from sqla_proletarian.periodic import PeriodicJob
 from sqla_proletarian.retry import RetryStrategy
 from sqla_proletarian.serialization import JsonSerializer, Serializer
+from sqla_proletarian.tasks import Task
 from sqla_proletarian.values import MAX_PRIORITY, MIN_PRIORITY, utc_now, uuid4, uuid7
 from sqla_proletarian.worker import QueueWorker, create_queue_worker, process_next_job
 
@@ -109,6 +111,7 @@ __all__ = [
     "JobRun",
     "JobTimeoutError",
     "JsonSerializer",
+    "NoCurrentJobError",
     "NotATransactionError",
     "PayloadDeserializationError",
     "PayloadSerializationError",
@@ -120,12 +123,14 @@ __all__ = [
     "RetryReport",
     "RetryStrategy",
     "Serializer",
+    "Task",
     "UnknownJobTypeError",
     "WorkerOptions",
     "cancel_job",
     "clear_queue_limits",
     "create_async_queue_worker",
     "create_queue_worker",
+    "current_job",
     "enqueue",
     "enqueue_async",
     "enqueue_many",

@@ -14,13 +14,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import inspect
 import logging
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from datetime import datetime, timedelta
-from typing import Any, Literal, cast
+from typing import Any, Literal, TypeVar, cast
 
 from sqlalchemy import Connection
 from sqlalchemy.ext.asyncio import (
@@ -36,7 +37,14 @@ from sqla_proletarian import wakeups
 from sqla_proletarian.dialects import dialect_of
 from sqla_proletarian.enqueue import _not_a_transaction, enqueue, enqueue_many
 from sqla_proletarian.errors import ConfigurationError, NotATransactionError, ProletarianError
-from sqla_proletarian.handlers import AsyncJobContext, JobContext, JobSession, StopSignal
+from sqla_proletarian.handlers import (
+    AsyncJobContext,
+    JobContext,
+    JobSession,
+    StopSignal,
+    running_job,
+    running_job_maker,
+)
 from sqla_proletarian.leases import LeaseRunner, LeaseSession, new_runner
 from sqla_proletarian.logs import log_event
 from sqla_proletarian.options import (
@@ -75,6 +83,7 @@ _NOT_IN_ASYNCIO = {
     "`await worker.stop()`)",
 }
 _ASYNC_CONTEXT = "sqla_proletarian.async_context"
+T = TypeVar("T")
 
 
 # --- enqueue ---------------------------------------------------------------------------------
@@ -210,6 +219,12 @@ def _task_name() -> str:
     return task.get_name() if task is not None else threading.current_thread().name
 
 
+async def _as_current(awaitable: Awaitable[T], context_of: Callable[[], AsyncJobContext]) -> T:
+    """Await a handler's result with ``current_job()`` making the run's context."""
+    with running_job(context_of):
+        return await awaitable
+
+
 def _settle(result: Any) -> Any:
     """What a handler or callback returned, awaited if it is awaitable (in the runner's
     greenlet, so inside the job's transaction).
@@ -327,17 +342,42 @@ class AsyncQueueWorker:
         handler = settings.handler
 
         def run_advanced(job: JobContext) -> Any:
-            return _settle(self._stoppable(handler(self._context(job)), job.cancel_requested))
+            context = self._context(job)
+            return self._call(lambda: handler(context), lambda: context, job.cancel_requested)
 
         def run_default(job_type: str, payload: Any) -> Any:
-            return _settle(self._stoppable(handler(job_type, payload), RUNNING_SIGNAL.get()))
+            made = running_job_maker()  # the runner's JobContext, made on first use
 
+            @functools.cache
+            def context_of() -> AsyncJobContext:
+                job = made()
+                assert isinstance(job, JobContext)
+                return self._context(job)
+
+            return self._call(lambda: handler(job_type, payload), context_of, RUNNING_SIGNAL.get())
+
+        retries = {name: self._callback(fn) for name, fn in settings.task_retries.items()}
         return dataclasses.replace(
             settings,
             handler=run_advanced if settings.handler_mode == "advanced" else run_default,
             retry_strategy=self._callback(settings.retry_strategy),
             failed_job_handler=self._callback(settings.failed_job_handler),
+            task_retries={name: fn for name, fn in retries.items() if fn is not None},
         )
+
+    def _call(
+        self,
+        call: Callable[[], Any],
+        context_of: Callable[[], AsyncJobContext],
+        signal: threading.Event | None,
+    ) -> Any:
+        """Call the handler and await what it returns, ``current_job()`` being the run's
+        AsyncJobContext all along (in its coroutine too, which runs in the awaiting task)."""
+        with running_job(context_of):
+            result = call()
+        if inspect.isawaitable(result):
+            result = _as_current(result, context_of)
+        return _settle(self._stoppable(result, signal))
 
     def _stoppable(self, result: Any, signal: threading.Event | None) -> Any:
         """Lease mode: a handler's result awaited in a task of its own, cancelled when the

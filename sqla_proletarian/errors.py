@@ -75,6 +75,17 @@ class UnknownJobTypeError(ProletarianError, LookupError):
         )
 
 
+class NoCurrentJobError(ProletarianError, LookupError):
+    """``current_job()`` was called while no job runs in this thread or task."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "current_job() is only available while a job runs: call it from a handler or a "
+            "task (or what they call, in the same thread or task), not at import time or "
+            "from a thread of your own"
+        )
+
+
 class JobCrashedError(ProletarianError):
     """A job's runs ended uncleanly too often: its worker died with it running, or the
     database ended the session of its transaction while its handler ran."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -702,14 +703,15 @@ class JobRunner(RunnerBase):
         job = claim.job
         fields = self._fields(job)
         # The job's Session is made when first read: by an advanced handler (job.session),
-        # a retry strategy or a failed-job handler; a handler of (job_type, payload) cannot
-        # reach the job's transaction at all.
+        # current_job().session, a retry strategy or a failed-job handler. A handler of
+        # (job_type, payload) gets its context only from current_job(), made on first use.
         plain = self.settings.handler_mode != "advanced"
         session = _LazySession(conn)
         try:
             payload, decode_error = self._payload(job)
             signal = StopSignal()
 
+            @functools.cache
             def context_of() -> JobContext:
                 on_first_use = SessionOnFirstUse(session.made)
                 return self._context(job, payload, cast(Session, on_first_use), signal)
@@ -737,12 +739,12 @@ class JobRunner(RunnerBase):
             try:
                 if decode_error is not None:
                     raise decode_error
-                if context is None:
-                    self._call_plain(job["job_type"], payload, signal)
-                else:
-                    with session.handling():
+                with session.handling():
+                    if context is None:
+                        self._call_plain(job["job_type"], payload, signal, context_of)
+                    else:
                         self._call_handler(context)
-                    session.finish()
+                session.finish()
             except JobTransactionLostError:
                 raise
             except Exception as exc:

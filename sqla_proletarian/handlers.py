@@ -1,5 +1,6 @@
-"""What a handler receives (JobContext; AsyncJobContext in the asyncio worker) and a dispatch
-table by job type (JobHandlers)."""
+"""What a handler receives (JobContext; AsyncJobContext in the asyncio worker, and
+``current_job()`` from anywhere the handler calls) and a dispatch table by job type
+(JobHandlers, whose ``task`` decorator makes tasks)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import threading
 import uuid
 import weakref
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, overload
 
 from sqlalchemy import Connection, Engine, NestedTransaction, event
 from sqlalchemy.orm import Session
@@ -19,8 +21,11 @@ from sqlalchemy.orm import Session
 from sqla_proletarian.errors import (
     ConfigurationError,
     JobTransactionLostError,
+    NoCurrentJobError,
     UnknownJobTypeError,
 )
+from sqla_proletarian.tasks import EnqueueOptions, Key, Retry, Task, new_task
+from sqla_proletarian.values import DEFAULT_PRIORITY, DEFAULT_QUEUE
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncSession
@@ -254,6 +259,42 @@ class AsyncJobContext(_ClaimedJob):
 
 
 F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
+
+#: How the running job's context is made, while its handler runs (made on first use: a
+#: default-mode handler that never asks costs no context).
+_RUNNING_JOB: ContextVar[Callable[[], JobContext | AsyncJobContext] | None] = ContextVar(
+    "running_job", default=None
+)
+
+
+def current_job() -> JobContext | AsyncJobContext:
+    """The running job's JobContext (an AsyncJobContext in the asyncio worker), from its
+    handler or task or anything they call in the same thread or task, in either handler
+    mode. Raises NoCurrentJobError (a LookupError) when no job runs there."""
+    made = _RUNNING_JOB.get()
+    if made is None:
+        raise NoCurrentJobError()
+    return made()
+
+
+@contextlib.contextmanager
+def running_job(context_of: Callable[[], JobContext | AsyncJobContext]) -> Iterator[None]:
+    """While the handler runs: ``current_job()`` returns what ``context_of`` makes."""
+    token = _RUNNING_JOB.set(context_of)
+    try:
+        yield
+    finally:
+        _RUNNING_JOB.reset(token)
+
+
+def running_job_maker() -> Callable[[], JobContext | AsyncJobContext]:
+    """What makes the running job's context (the asyncio worker makes its own from it)."""
+    made = _RUNNING_JOB.get()
+    if made is None:
+        raise NoCurrentJobError()
+    return made
 
 
 class JobHandlers:
@@ -261,12 +302,15 @@ class JobHandlers:
 
     Works in both handler modes and in both workers: registered functions receive exactly
     what the worker passes, ``(job_type, payload)`` or ``(job)``, and return what they
-    return (the asyncio worker awaits a coroutine).
+    return (the asyncio worker awaits a coroutine); tasks (``task``) receive the arguments
+    their jobs were enqueued with.
     """
 
     def __init__(self) -> None:
         self._handlers: dict[str, Callable[..., Any]] = {}
         self._default: Callable[..., Any] | None = None
+        #: The tasks by job type (each also in ``_handlers``, as its function).
+        self._tasks: dict[str, Task[..., Any]] = {}
 
     def register(self, job_type: str) -> Callable[[F], F]:
         """Decorator: handle jobs of ``job_type`` with the decorated function."""
@@ -274,15 +318,78 @@ class JobHandlers:
             raise ConfigurationError(f"job type {job_type!r}: give a non-empty string")
 
         def decorate(fn: F) -> F:
-            if job_type in self._handlers:
-                raise ConfigurationError(
-                    f"job type {job_type!r} already has a handler "
-                    f"({self._handlers[job_type].__qualname__}); register each type once"
-                )
-            self._handlers[job_type] = fn
+            self._add(job_type, fn)
             return fn
 
         return decorate
+
+    @overload
+    def task(self, job_type: Callable[P, R], /) -> Task[P, R]: ...
+
+    @overload
+    def task(
+        self,
+        job_type: str | None = None,
+        *,
+        queue: str = DEFAULT_QUEUE,
+        priority: int = DEFAULT_PRIORITY,
+        retry: Retry = None,
+        timeout: float | None = None,
+        unique_key: Key = None,
+        concurrency_key: Key = None,
+    ) -> Callable[[Callable[P, R]], Task[P, R]]: ...
+
+    def task(
+        self,
+        job_type: str | Callable[..., Any] | None = None,
+        *,
+        queue: str = DEFAULT_QUEUE,
+        priority: int = DEFAULT_PRIORITY,
+        retry: Retry = None,
+        timeout: float | None = None,
+        unique_key: Key = None,
+        concurrency_key: Key = None,
+    ) -> Any:
+        """Decorator: handle jobs of ``job_type`` (default: the function's
+        ``module.qualname``) with a plain function of its own arguments, and return it as a
+        Task, still callable as the function, with ``enqueue(session, *args, **kwargs)``.
+
+        ``queue``, ``priority``, ``unique_key`` and ``concurrency_key`` are its jobs'
+        defaults (``with_options`` overrides them); the keys may be functions of the task's
+        arguments. ``retry`` (a RetryStrategy, or a function as the worker's
+        ``retry_strategy``) replaces the worker's retry strategy for this job type;
+        ``timeout`` is its runs' ``job_timeout`` in lease mode (a worker without
+        ``lease_seconds`` refuses the handler).
+        """
+        if callable(job_type):  # @handlers.task, without parentheses
+            return self.task()(job_type)
+        options = EnqueueOptions(
+            queue=queue, priority=priority, unique_key=unique_key, concurrency_key=concurrency_key
+        )
+
+        def decorate(fn: Callable[P, R]) -> Task[P, R]:
+            made = new_task(fn, job_type, options, retry, timeout)
+            self._add(made.job_type, fn)
+            self._tasks[made.job_type] = made
+            return made
+
+        return decorate
+
+    def task_of(self, job_type: str) -> Task[..., Any] | None:
+        """The task of ``job_type``, if a task handles it."""
+        return self._tasks.get(job_type)
+
+    def tasks(self) -> list[Task[..., Any]]:
+        """Every task, in the order they were made."""
+        return list(self._tasks.values())
+
+    def _add(self, job_type: str, fn: Callable[..., Any]) -> None:
+        if job_type in self._handlers:
+            raise ConfigurationError(
+                f"job type {job_type!r} already has a handler "
+                f"({self._handlers[job_type].__qualname__}); register each type once"
+            )
+        self._handlers[job_type] = fn
 
     def default(self, fn: F) -> F:
         """Decorator: handle every job type that has no handler of its own."""
@@ -290,7 +397,8 @@ class JobHandlers:
         return fn
 
     def handler_for(self, job_type: str) -> Callable[..., Any]:
-        """The function that handles ``job_type``; raises UnknownJobTypeError if none does."""
+        """The function that handles ``job_type`` (a task's own function, which takes its
+        jobs' arguments); raises UnknownJobTypeError if none does."""
         handler = self._handlers.get(job_type, self._default)
         if handler is None:
             raise UnknownJobTypeError(job_type, self._handlers)
@@ -305,9 +413,13 @@ class JobHandlers:
 
     def __call__(self, *args: Any) -> Any:
         if len(args) == 2:
-            return self.handler_for(args[0])(*args)
+            task = self._tasks.get(args[0])
+            return task.run(args[1]) if task else self.handler_for(args[0])(*args)
         if len(args) == 1 and isinstance(args[0], _ClaimedJob):
-            return self.handler_for(args[0].job_type)(args[0])
+            task = self._tasks.get(args[0].job_type)
+            return (
+                task.run(args[0].payload) if task else self.handler_for(args[0].job_type)(args[0])
+            )
         raise TypeError(
             "JobHandlers is called as handler(job_type, payload) or handler(job: JobContext)"
         )

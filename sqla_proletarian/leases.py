@@ -298,7 +298,7 @@ class LeaseRunner(RunnerBase):
     @property
     def upkeep_interval(self) -> float:
         """Seconds between calls of keep_owner() (heartbeats, timeouts)."""
-        if self.settings.job_timeout is not None:
+        if self.settings.times_out:
             return min(self.heartbeat_interval, TIMEOUT_CHECK)
         return self.heartbeat_interval
 
@@ -319,7 +319,7 @@ class LeaseRunner(RunnerBase):
                         hint="the leases were not renewed; the next heartbeat tries again "
                         "(a lease expires after lease_seconds without one)",
                     )
-            if self.settings.job_timeout is not None:
+            if self.settings.times_out:
                 self._time_out()
 
     def start_keeping_owner(self) -> None:
@@ -1091,14 +1091,14 @@ class LeaseRunner(RunnerBase):
                 run.signal.request("cancelled")
 
     def _time_out(self) -> None:
-        """Find the jobs running longer than job_timeout: their handlers are asked to stop
-        (what they write from then on is discarded), and each is failed now, off the
-        heartbeat (see _end_timed_out), which goes on renewing its lease meanwhile."""
-        timeout = self.settings.job_timeout
-        assert timeout is not None
+        """Find the jobs running longer than their timeout (their task's, else job_timeout):
+        their handlers are asked to stop (what they write from then on is discarded), and
+        each is failed now, off the heartbeat (see _end_timed_out), which goes on renewing
+        its lease meanwhile."""
         now = time.monotonic()
         for run in self._running():
-            if run.state != "running" or now - run.started < timeout:
+            timeout = self.settings.timeout_for(run.job["job_type"])
+            if run.state != "running" or timeout is None or now - run.started < timeout:
                 continue
             if not run.begin_ending():
                 continue
@@ -1188,6 +1188,17 @@ def check_lease_settings(
             f"heartbeat_interval ({heartbeat_interval}) must be shorter than lease_seconds "
             f"({lease_seconds}), or every lease expires before it is renewed: leave it out "
             "(lease_seconds / 3) or make it smaller"
+        )
+
+
+def check_task_timeouts(lease_seconds: object, task_timeouts: dict[str, float]) -> None:
+    """Refuse tasks' timeouts (``JobHandlers.task(timeout=...)``) without lease mode."""
+    if lease_seconds is None and task_timeouts:
+        job_type, timeout = next(iter(task_timeouts.items()))
+        raise _settings_error(
+            f"task {job_type!r} has timeout={timeout:g}, which needs lease mode: give the "
+            "worker lease_seconds too (a job's lease, say 60), so that jobs run with no "
+            "transaction open and can be timed out"
         )
 
 

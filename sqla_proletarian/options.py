@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from sqla_proletarian import ledger
 from sqla_proletarian.errors import ConfigurationError
-from sqla_proletarian.leases import check_lease_settings
+from sqla_proletarian.leases import check_lease_settings, check_task_timeouts
 from sqla_proletarian.models import DEFAULT_QUEUE
 from sqla_proletarian.periodic import PeriodicJob, check_periodic_jobs
 from sqla_proletarian.running import FailedJobHandler, RetryStrategyFn, RunSettings
@@ -139,6 +139,8 @@ class WorkerOptions:
         if not callable(handler):
             raise ConfigurationError(f"the handler is {handler!r}; give a function")
         assert self.worker_id is not None
+        tasks = RunSettings.task_settings(handler)
+        check_task_timeouts(self.lease_seconds, tasks["task_timeouts"])
         return RunSettings(
             queues=self.queues,
             handler=handler,
@@ -154,6 +156,7 @@ class WorkerOptions:
             lease_seconds=self.lease_seconds,
             heartbeat_interval=self.heartbeat_interval,
             job_timeout=self.job_timeout,
+            **tasks,
         )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -56,6 +57,16 @@ class RetryStrategy:
         object.__setattr__(self, "retries", retries)
         object.__setattr__(self, "delays", tuple(_seconds(d, i) for i, d in enumerate(delays)))
 
+    @classmethod
+    def exponential(
+        cls, retries: int, base: float = 1.0, cap: float = 3600.0, jitter: bool = True
+    ) -> RetryStrategy:
+        """``retries`` retries with exponential backoff: retry *n* (from 1) waits
+        ``min(cap, base * 2 ** (n - 1))`` seconds, or with ``jitter`` (the default) a time
+        drawn uniformly from 0 to that ("full jitter"), so that jobs that failed together do
+        not all retry at the same moment."""
+        return ExponentialRetryStrategy(retries, base, cap, jitter)
+
     def retries_left(self, attempt: int) -> int:
         """Retries still allowed after run number ``attempt`` (1-based) has failed."""
         if self.retries == 0:
@@ -71,6 +82,45 @@ class RetryStrategy:
     def retry_at(self, attempt: int, now: datetime) -> datetime:
         """When the next run may start, after run number ``attempt`` failed at ``now``."""
         return now + timedelta(seconds=self.delay(attempt))
+
+
+@dataclass(frozen=True, init=False)
+class ExponentialRetryStrategy(RetryStrategy):
+    """``RetryStrategy.exponential``: retry *n* waits ``min(cap, base * 2 ** (n - 1))``
+    seconds, or a time drawn uniformly from 0 to that with ``jitter``."""
+
+    base: float
+    cap: float
+    jitter: bool
+
+    def __init__(self, retries: int, base: float, cap: float, jitter: bool) -> None:
+        super().__init__(retries)
+        for name, value in (("base", base), ("cap", cap)):
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise InvalidRetryStrategyError(
+                    f"{name} is {value!r}; give a number of seconds > 0"
+                )
+            if not (math.isfinite(value) and 0 < value <= MAX_RETRY_DELAY):
+                raise InvalidRetryStrategyError(
+                    f"{name} is {value!r}; give a number of seconds > 0, at most ten years "
+                    f"({MAX_RETRY_DELAY:.0f} s)"
+                )
+        if cap < base:
+            raise InvalidRetryStrategyError(
+                f"cap ({cap!r}) is less than base ({base!r}); cap is the longest delay, so "
+                "give a cap >= base"
+            )
+        if not isinstance(jitter, bool):
+            raise InvalidRetryStrategyError(f"jitter is {jitter!r}; give True or False")
+        object.__setattr__(self, "base", float(base))
+        object.__setattr__(self, "cap", float(cap))
+        object.__setattr__(self, "jitter", jitter)
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait after run number ``attempt`` failed (before retry ``attempt``)."""
+        # 2.0 ** 1023 is the largest power a float holds; beyond the cap anyway.
+        longest = min(self.cap, self.base * 2.0 ** min(max(attempt, 1) - 1, 1023))
+        return random.uniform(0.0, longest) if self.jitter else longest
 
 
 def as_retry_strategy(value: object) -> RetryStrategy | None:

@@ -19,7 +19,7 @@ import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal, TypeVar
 
@@ -35,7 +35,7 @@ from sqla_proletarian.errors import (
     UnknownJobTypeError,
 )
 from sqla_proletarian.flow import FlowControl
-from sqla_proletarian.handlers import JobContext, StopSignal
+from sqla_proletarian.handlers import JobContext, JobHandlers, StopSignal, running_job
 from sqla_proletarian.logs import finished_logger, log_event, log_to
 from sqla_proletarian.retry import RetryStrategy, as_retry_strategy
 from sqla_proletarian.serialization import Serializer
@@ -82,11 +82,47 @@ class RunSettings:
     heartbeat_interval: float | None = None
     #: Lease mode: seconds a job may run before it fails with JobTimeoutError.
     job_timeout: float | None = None
+    #: The retry strategies of job types whose tasks have their own (``JobHandlers.task``).
+    task_retries: dict[str, RetryStrategyFn] = field(default_factory=dict)
+    #: Lease mode: the timeouts of job types whose tasks have their own.
+    task_timeouts: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def task_settings(cls, handler: Callable[..., Any]) -> dict[str, Any]:
+        """The ``task_retries`` and ``task_timeouts`` of a JobHandlers' tasks (none for a
+        handler of another kind)."""
+        tasks = handler.tasks() if isinstance(handler, JobHandlers) else []
+        return {
+            "task_retries": {
+                t.job_type: _retry_function(t.retry) for t in tasks if t.retry is not None
+            },
+            "task_timeouts": {t.job_type: t.timeout for t in tasks if t.timeout is not None},
+        }
+
+    def retry_strategy_for(self, job_type: str) -> RetryStrategyFn | None:
+        """The retry strategy of a job type: its task's, else the worker's."""
+        return self.task_retries.get(job_type, self.retry_strategy)
+
+    def timeout_for(self, job_type: str) -> float | None:
+        """Lease mode: the timeout of a job type's runs: its task's, else ``job_timeout``."""
+        return self.task_timeouts.get(job_type, self.job_timeout)
+
+    @property
+    def times_out(self) -> bool:
+        """Whether some job type's runs have a timeout (the heartbeat then looks for them)."""
+        return self.job_timeout is not None or bool(self.task_timeouts)
 
     @property
     def queue_names(self) -> str:
         """The queues as logs name them: comma-separated, in claim order."""
         return ",".join(self.queues)
+
+
+def _retry_function(retry: RetryStrategy | RetryStrategyFn) -> RetryStrategyFn:
+    """A task's ``retry`` as the worker's ``retry_strategy`` option is: a function."""
+    if isinstance(retry, RetryStrategy):
+        return lambda job, exc: retry
+    return retry
 
 
 def attempt_of(job: dict[str, Any]) -> int:
@@ -257,20 +293,31 @@ class RunnerBase:
 
     def _call_handler(self, context: JobContext) -> None:
         if self.settings.handler_mode != "advanced":
-            self._call_plain(context.job_type, context.payload, context.cancel_requested)
+            self._call_plain(
+                context.job_type, context.payload, context.cancel_requested, lambda: context
+            )
             return
         running = RUNNING_SIGNAL.set(context.cancel_requested)
         try:
-            result = self.settings.handler(context)
+            with running_job(lambda: context):
+                result = self.settings.handler(context)
         finally:
             RUNNING_SIGNAL.reset(running)
         _check_result(result)
 
-    def _call_plain(self, job_type: str, payload: Any, signal: threading.Event) -> None:
-        """Call a handler of ``(job_type, payload)``."""
+    def _call_plain(
+        self,
+        job_type: str,
+        payload: Any,
+        signal: threading.Event,
+        context_of: Callable[[], JobContext],
+    ) -> None:
+        """Call a handler of ``(job_type, payload)``; ``current_job()`` makes its context
+        with ``context_of``."""
         running = RUNNING_SIGNAL.set(signal)
         try:
-            result = self.settings.handler(job_type, payload)
+            with running_job(context_of):
+                result = self.settings.handler(job_type, payload)
         finally:
             RUNNING_SIGNAL.reset(running)
         _check_result(result)
@@ -325,10 +372,11 @@ class RunnerBase:
     def _strategy(
         self, job: dict[str, Any], context: JobContext, exc: Exception
     ) -> RetryStrategy | None:
-        if self.settings.retry_strategy is None:
+        retry_strategy = self.settings.retry_strategy_for(job["job_type"])
+        if retry_strategy is None:
             return None
         try:
-            return as_retry_strategy(self.settings.retry_strategy(context, exc))
+            return as_retry_strategy(retry_strategy(context, exc))
         except Exception as error:
             log_event(
                 logging.ERROR,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
@@ -108,7 +108,9 @@ def drain(
         nonlocal runs
         runs += 1
 
-    settings = WorkerOptions.from_kwargs(worker_options).run_settings(limited)
+    settings = replace(
+        WorkerOptions.from_kwargs(worker_options).run_settings(handler), handler=limited
+    )
     runner = new_runner(engine, settings, count)
     try:
         runner.start_keeping_owner()
