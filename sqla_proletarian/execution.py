@@ -180,6 +180,8 @@ def poll_queues(
                 queue, now, left, limited_poll, with_runs=with_runs, excluding=excluding
             )
         else:
+            found = None
+        if found is None:  # no limits (any more)
             found = poll_due_jobs(conn, queue, now, left, with_runs=with_runs, excluding=excluding)
         jobs.extend(found)
         if len(jobs) == limit:

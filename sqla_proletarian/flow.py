@@ -37,7 +37,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine
 
-from sqla_proletarian.limits import QueueLimits, read_limits
+from sqla_proletarian.limits import QueueLimits, read_versions
 from sqla_proletarian.statements import flow as sql
 
 #: Seconds a rate limit's window counts beyond its own ``seconds``: the time between a
@@ -76,8 +76,9 @@ class Reserved:
     """Starts reserved for one claim of a queue, by slot key (``""``: the queue's own)."""
 
     by_key: dict[str, list[uuid.UUID]] = field(default_factory=dict)
-    #: The queue's limits, read under its limit row's lock.
+    #: The queue's limits, read under its limit row's lock, and when they were set.
     limits: QueueLimits = field(default_factory=QueueLimits)
+    version: Any = None
     #: When they were reserved: the start time every window counts them at.
     at: datetime | None = None
 
@@ -95,7 +96,7 @@ class FlowControl:
         self.queues = queues
         self.leases = leases
         #: The queues known to have limits, with the limits last read, and when (monotonic).
-        self.known: dict[str, QueueLimits] = {}
+        self.known: dict[str, tuple[QueueLimits, Any]] = {}
         self.looked = 0.0
         #: When the runner last removed a queue's starts that no window counts (monotonic).
         self.pruned: dict[str, float] = {}
@@ -111,7 +112,7 @@ class FlowControl:
         it, in a short transaction of its own (committed, so every worker counts them)."""
         # In name order: workers that serve the same queues in other orders take turns on
         # their limit rows without a deadlock.
-        rated = sorted(q for q, limits in self.known.items() if _rated(limits))
+        rated = sorted(q for q, (limits, _) in self.known.items() if _rated(limits))
         if not rated:
             return {}
         reserved: dict[str, Reserved] = {}
@@ -120,13 +121,14 @@ class FlowControl:
             for queue in rated:
                 conn.execute(*sql.lock_limits(queue))
             # Read once the locks are held: a change committed meanwhile is seen.
-            fresh = read_limits(conn, tuple(rated))
+            fresh = read_versions(conn, tuple(rated))
             for queue in rated:
-                limits = fresh.get(queue)
-                if limits is None or not _rated(limits):
+                if queue not in fresh or not _rated(fresh[queue][0]):
                     continue  # the claim reads the limits again and learns of the change
+                limits, version = fresh[queue]
                 prune = time.monotonic() - self.pruned.get(queue, 0.0) > PRUNE_INTERVAL
                 reserved[queue] = _reserve(conn, queue, limits, now, batch, prune=prune)
+                reserved[queue].version = version
                 if prune:
                     self.pruned[queue] = time.monotonic()
             conn.commit()
@@ -215,8 +217,14 @@ def _key_starts(
 
 
 class FlowClaim:
-    """One claim's flow control: the limits read in its transaction, the slots it took and
-    the starts it used."""
+    """One claim's flow control: the limits it claims under, the slots it took and the starts
+    it used.
+
+    The limits come from the claim's reservations (read under the limit rows' locks), else
+    from what the runner read before: a queue with ``max_running`` has its slots taken only
+    while its limits are still those (their version is checked by the same statement), so
+    the claim reads them again only when that statement finds no slot. A known queue with no
+    ``max_running`` and no reservations has its limits read by the claim itself."""
 
     def __init__(
         self, control: FlowControl, conn: Connection, reserved: dict[str, Reserved]
@@ -229,24 +237,29 @@ class FlowClaim:
         #: The slots the claim has locked, by (queue, key): a claim's own locks do not make
         #: its later lock statements skip them.
         self._locked: dict[tuple[str, str], list[int]] = {}
-        self._limits: dict[str, QueueLimits] | None = None
+        self._known = dict(control.known)
+        for queue, r in reserved.items():
+            self._known[queue] = (r.limits, r.version)
+        #: Whether the claim read the limits itself (then it does not look again).
         self._looked = False
-        if control.known:
-            if all(queue in reserved for queue in control.known):
-                # Read under the limit rows' locks by the reservations, just before.
-                self._limits = {queue: r.limits for queue, r in reserved.items()}
-            else:
-                self._read()
+        unchecked = [
+            queue
+            for queue, (limits, _) in self._known.items()
+            if queue not in reserved and limits.max_running is None
+        ]
+        if unchecked:
+            self._read()
 
     def _read(self) -> None:
         self._looked = True
-        self._limits = read_limits(self.conn, self.control.queues)
-        self.control.known = dict(self._limits)
+        self._known = read_versions(self.conn, self.control.queues)
+        self.control.known = dict(self._known)
         self.control.looked = time.monotonic()
 
     def limits(self, queue: str) -> QueueLimits | None:
-        """The queue's limits as this claim read them (None: none known)."""
-        return None if self._limits is None else self._limits.get(queue)
+        """The queue's limits as this claim knows them (None: none known)."""
+        known = self._known.get(queue)
+        return None if known is None else known[0]
 
     def came_back_short(self) -> None:
         """The claim found fewer jobs than it could take: a queue may have limits it did not
@@ -264,25 +277,37 @@ class FlowClaim:
         *,
         with_runs: bool,
         excluding: list[uuid.UUID] | None,
-    ) -> list[dict[str, Any]]:
+    ) -> list[dict[str, Any]] | None:
         """Lock up to ``want`` due jobs of a limited queue, as many as its limits leave:
-        ``poll(n)`` claims n of them in claim order where no limit counts by key."""
-        limits = self.limits(queue)
-        assert limits is not None
-        reserved = self.reserved.get(queue)
-        if _rated(limits) and reserved is None:
-            return []  # limits newer than the claim's reservations: the next claim's turn
-        starts = reserved.by_key if reserved is not None else {}
-        if limits.rate_limit is not None:
-            want = min(want, len(starts.get("", [])))
-        queue_slots: list[int] = []
-        if limits.max_running is not None and want > 0:
-            queue_slots = self._free(queue, "", limits.max_running, want, now)
-            want = min(want, len(queue_slots))
-        if want <= 0:
-            return []
+        ``poll(n)`` claims n of them in claim order where no limit counts by key. None: the
+        queue has no limits any more (the ordinary poll's turn)."""
+        for attempt in range(2):
+            known = self._known.get(queue)
+            if known is None:
+                return None
+            limits, version = known
+            reserved = self.reserved.get(queue)
+            if _rated(limits) and (reserved is None or reserved.version != version):
+                return []  # limits newer than the claim's reservations: the next claim's turn
+            starts = reserved.by_key if reserved is not None else {}
+            if limits.rate_limit is not None:
+                want = min(want, len(starts.get("", [])))
+            if want <= 0:
+                return []
+            queue_slots: list[int] = []
+            if limits.max_running is not None:
+                queue_slots = self._free(queue, "", limits.max_running, want, now, version)
+                if not queue_slots:
+                    if attempt or self._looked:
+                        return []  # every slot is taken
+                    self._read()  # none found: every slot taken, or other limits now
+                    if self._known.get(queue) == known:
+                        return []
+                    continue
+                want = min(want, len(queue_slots))
+            break
         if limits.per_key:
-            picked = self._by_key(queue, limits, now, want, with_runs, excluding, starts)
+            picked = self._by_key(queue, limits, now, want, with_runs, excluding, starts, version)
         else:
             picked = [(job, None) for job in poll(want)]
         jobs = []
@@ -308,6 +333,7 @@ class FlowClaim:
         with_runs: bool,
         excluding: list[uuid.UUID] | None,
         starts: dict[str, list[uuid.UUID]],
+        version: Any,
     ) -> list[tuple[dict[str, Any], int | None]]:
         """Walk the queue's due jobs in claim order, taking each whose key has a free slot
         (and a reserved start) until ``want``; a key with none is looked past."""
@@ -332,7 +358,8 @@ class FlowClaim:
                         full.add(key)
                         continue
                     if limits.max_running_per_key is not None:
-                        slot = self._key_slot(queue, key, limits.max_running_per_key, now, spare)
+                        most = limits.max_running_per_key
+                        slot = self._key_slot(queue, key, most, now, spare, version)
                         if slot is None:
                             full.add(key)
                             continue
@@ -350,13 +377,19 @@ class FlowClaim:
         return picked
 
     def _key_slot(
-        self, queue: str, key: str, most: int, now: datetime, spare: dict[str, list[int]]
+        self,
+        queue: str,
+        key: str,
+        most: int,
+        now: datetime,
+        spare: dict[str, list[int]],
+        version: Any,
     ) -> int | None:
         """A free slot of the key (one this claim took and did not use first), made when the
         key has fewer slots than its limit."""
         if spare.get(key):
             return spare[key].pop()
-        free = self._free(queue, key, most, 1, now)
+        free = self._free(queue, key, most, 1, now, version)
         if free:
             return free[0]
         made = {n for _, n in self.conn.execute(*sql.slot_numbers(queue, [key]))}
@@ -364,7 +397,7 @@ class FlowClaim:
         if not missing:
             return None
         self._make_slots(queue, key, missing)
-        free = self._free(queue, key, most, 1, now)
+        free = self._free(queue, key, most, 1, now, version)
         return free[0] if free else None
 
     def _make_slots(self, queue: str, key: str, numbers: list[int]) -> None:
@@ -379,12 +412,14 @@ class FlowClaim:
         with self.control.engine.begin() as other:
             other.execute(*sql.insert_slots(rows, name))
 
-    def _free(self, queue: str, key: str, most: int, want: int, now: datetime) -> list[int]:
+    def _free(
+        self, queue: str, key: str, most: int, want: int, now: datetime, version: Any
+    ) -> list[int]:
         """Lock up to ``want`` free slots of ``(queue, key)``; their numbers. A slot whose
         lease was committed after the lock statement's snapshot is checked again here."""
         conn = self.conn
         mine = self._locked.setdefault((queue, key), [])
-        rows = conn.execute(*sql.free_slots(queue, key, most, want, now, mine)).all()
+        rows = conn.execute(*sql.free_slots(queue, key, most, want, now, mine, version)).all()
         mine.extend(row.n for row in rows)
         named = [row.job_id for row in rows if row.job_id is not None]
         if not named:

@@ -224,6 +224,13 @@ def read_limits(conn: Connection, queues: tuple[str, ...] | None = None) -> dict
     return {row.queue: limits_of(row) for row in conn.execute(statement)}
 
 
+def read_versions(conn: Connection, queues: tuple[str, ...]) -> dict[str, tuple[QueueLimits, Any]]:
+    """The limits of ``queues`` that have any, each with the time they were set (their
+    version: a claim that finds it unchanged may use the limits it read before)."""
+    statement = select(LIMITS).where(LIMITS.c.queue.in_(queues))
+    return {row.queue: (limits_of(row), row.updated_at) for row in conn.execute(statement)}
+
+
 def limits_of(row: Any) -> QueueLimits:
     """The limits a ``proletarian_queue_limit`` row holds."""
 

@@ -82,6 +82,11 @@ _HELD_BY_LEASE = (
 )
 
 
+#: When the queue's limits were set: the slots are taken only under the limits the claim
+#: knows (a claim that finds none reads them again).
+_LIMITS_SET_AT = select(LIMITS.c.updated_at).where(LIMITS.c.queue == _QUEUE).scalar_subquery()
+
+
 @cache
 def _free_slots(want: int) -> Select[Any]:
     return (
@@ -91,6 +96,7 @@ def _free_slots(want: int) -> Select[Any]:
             SLOTS.c.slot_key == bindparam("key"),
             SLOTS.c.n <= bindparam("most", type_=Integer()),
             SLOTS.c.n.not_in(bindparam("mine", expanding=True, type_=Integer())),
+            bindparam("version", type_=LIMITS.c.updated_at.type) == _LIMITS_SET_AT,
             ~_HELD_BY_LEASE,
         )
         .order_by(SLOTS.c.n)
@@ -100,13 +106,27 @@ def _free_slots(want: int) -> Select[Any]:
 
 
 def free_slots(
-    queue: str, key: str, most: int, want: int, now: datetime, mine: list[int]
+    queue: str,
+    key: str,
+    most: int,
+    want: int,
+    now: datetime,
+    mine: list[int],
+    version: datetime,
 ) -> Statement:
     """Lock up to ``want`` free slots of ``(queue, key)`` numbered up to ``most``, skipping
     those another transaction holds (a transaction-mode run, a claim under way), those this
     claim took already (``mine``) and those naming a live lease, as this statement's
-    snapshot sees them (``live_leases`` checks again once the locks are held)."""
-    params = {"queue": queue, "key": key, "most": most, "now": now, "mine": mine}
+    snapshot sees them (``live_leases`` checks again once the locks are held); none unless
+    the queue's limits are still those set at ``version``."""
+    params = {
+        "queue": queue,
+        "key": key,
+        "most": most,
+        "now": now,
+        "mine": mine,
+        "version": version,
+    }
     return _free_slots(want), params
 
 
