@@ -27,6 +27,7 @@ forgets them when they are cleared.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections import Counter
@@ -64,6 +65,10 @@ ROUNDS = 4
 #: Seconds between a runner's looks for queues that got limits (at a claim that found fewer
 #: jobs than it could take). Until it looks, the poll skips such a queue.
 LOOK_INTERVAL = 1.0
+#: Claims' worth of a queue's own starts a reservation makes ahead, for the runner's next
+#: claims, and the age past which they are given back unused.
+POOL_CLAIMS = 3
+POOL_AGE = RATE_MARGIN / 2
 #: Seconds between a runner's deletions of a rate-limited queue's starts that no window
 #: counts any more.
 PRUNE_INTERVAL = 1.0
@@ -79,6 +84,8 @@ class Reserved:
     #: The queue's limits, read under its limit row's lock, and when they were set.
     limits: QueueLimits = field(default_factory=QueueLimits)
     version: Any = None
+    #: Taken from the pool: its limits may be older than the claim (the claim checks).
+    pooled: bool = False
     #: When they were reserved: the start time every window counts them at.
     at: datetime | None = None
 
@@ -100,6 +107,10 @@ class FlowControl:
         self.looked = 0.0
         #: When the runner last removed a queue's starts that no window counts (monotonic).
         self.pruned: dict[str, float] = {}
+        #: Starts reserved ahead for the next claims, by queue; starts to delete.
+        self.pool: dict[str, Reserved] = {}
+        self.stale: list[uuid.UUID] = []
+        self._pool_lock = threading.Lock()
 
     def prepare(
         self,
@@ -108,35 +119,95 @@ class FlowControl:
         batch: int,
         begin: Callable[[Connection], None],
     ) -> dict[str, Reserved]:
-        """Before a claim's transaction: reserve the starts that rate-limited queues allow
-        it, in a short transaction of its own (committed, so every worker counts them)."""
+        """Before a claim's transaction: the starts that rate-limited queues allow it. A
+        queue's own rate is served from the starts a recent reservation made ahead (the
+        pool) while they are fresh; else, and for per-key rates, they are reserved in a
+        short transaction of its own (committed, so every worker counts them)."""
         # In name order: workers that serve the same queues in other orders take turns on
         # their limit rows without a deadlock.
         rated = sorted(q for q, (limits, _) in self.known.items() if _rated(limits))
         if not rated:
             return {}
         reserved: dict[str, Reserved] = {}
+        with self._pool_lock:
+            for queue in rated:
+                pooled = self._from_pool(queue, now, batch)
+                if pooled is not None:
+                    reserved[queue] = pooled
+            stale, self.stale = self.stale, []
+        needed = [queue for queue in rated if queue not in reserved]
+        if not needed and not stale:
+            return reserved
         begin(conn)
         try:
-            for queue in rated:
+            if stale:
+                conn.execute(*sql.delete_starts(stale))
+            for queue in needed:
                 conn.execute(*sql.lock_limits(queue))
             # Read once the locks are held: a change committed meanwhile is seen.
-            fresh = read_versions(conn, tuple(rated))
-            for queue in rated:
+            fresh = read_versions(conn, tuple(needed))
+            for queue in needed:
                 if queue not in fresh or not _rated(fresh[queue][0]):
                     continue  # the claim reads the limits again and learns of the change
                 limits, version = fresh[queue]
                 prune = time.monotonic() - self.pruned.get(queue, 0.0) > PRUNE_INTERVAL
-                reserved[queue] = _reserve(conn, queue, limits, now, batch, prune=prune)
-                reserved[queue].version = version
+                ahead = 0 if limits.rate_limit_per_key else batch * POOL_CLAIMS
+                made = _reserve(conn, queue, limits, now, batch, ahead, prune=prune)
+                made.version = version
+                reserved[queue] = self._to_pool(queue, made, batch)
                 if prune:
                     self.pruned[queue] = time.monotonic()
             conn.commit()
         except BaseException:
             if conn.in_transaction() and not conn.invalidated:
                 conn.rollback()
+            with self._pool_lock:
+                self.stale.extend(stale)
             raise
         return reserved
+
+    def _from_pool(self, queue: str, now: datetime, batch: int) -> Reserved | None:
+        """Up to ``batch`` of the queue's pooled starts still fresh (at most ``POOL_AGE``
+        old, so that a handler starts within ``RATE_MARGIN`` of its start); older ones go
+        to ``stale``, to be deleted."""
+        pool = self.pool.get(queue)
+        if pool is None:
+            return None
+        if pool.at is None or now - pool.at > timedelta(seconds=POOL_AGE):
+            self.stale.extend(pool.unused())
+            del self.pool[queue]
+            return None
+        starts = pool.by_key[""]
+        taken, pool.by_key[""] = starts[:batch], starts[batch:]
+        if not pool.by_key[""]:
+            del self.pool[queue]
+        return Reserved(
+            {"": taken}, at=pool.at, limits=pool.limits, version=pool.version, pooled=True
+        )
+
+    def _to_pool(self, queue: str, made: Reserved, batch: int) -> Reserved:
+        """The claim's part of a reservation; what it made ahead is pooled for the next
+        claims (a queue's own rate only)."""
+        starts = made.by_key.get("", [])
+        if len(starts) <= batch:
+            return made
+        made.by_key[""], ahead = starts[:batch], starts[batch:]
+        with self._pool_lock:
+            old = self.pool.pop(queue, None)
+            if old is not None:
+                self.stale.extend(old.unused())
+            self.pool[queue] = Reserved(
+                {"": ahead}, at=made.at, limits=made.limits, version=made.version
+            )
+        return made
+
+    def drop_pool(self, queue: str) -> None:
+        """The queue's limits changed: its pooled starts are given back at the next
+        reservation."""
+        with self._pool_lock:
+            old = self.pool.pop(queue, None)
+            if old is not None:
+                self.stale.extend(old.unused())
 
     def begin(self, conn: Connection, reserved: dict[str, Reserved]) -> FlowClaim:
         """The flow control of one claim, in its transaction on ``conn``."""
@@ -152,10 +223,18 @@ def _window_start(now: datetime, seconds: float) -> datetime:
 
 
 def _reserve(
-    conn: Connection, queue: str, limits: QueueLimits, now: datetime, batch: int, *, prune: bool
+    conn: Connection,
+    queue: str,
+    limits: QueueLimits,
+    now: datetime,
+    batch: int,
+    ahead: int,
+    *,
+    prune: bool,
 ) -> Reserved:
-    """Reserve the starts one claim of ``queue`` may make: the queue's own, and each key's
-    for the due jobs a claim would meet first (keys with none left are looked past)."""
+    """Reserve the starts one claim of ``queue`` may make (the queue's own, ``ahead`` more
+    for the next claims; and each key's for the due jobs a claim would meet first, keys with
+    none left looked past)."""
     if prune:
         rates = (limits.rate_limit, limits.rate_limit_per_key)
         longest = max(rate[1] for rate in rates if rate)
@@ -165,7 +244,7 @@ def _reserve(
         count, seconds = limits.rate_limit
         since = _window_start(now, seconds)
         counts: dict[str, int] = dict(conn.execute(*sql.starts_since(queue, [""], since)).all())
-        wanted[""] = min(batch, count - counts.get("", 0))
+        wanted[""] = min(batch + ahead, count - counts.get("", 0))
     if limits.rate_limit_per_key is not None:
         wanted.update(_key_starts(conn, queue, limits.rate_limit_per_key, now, batch))
     rows: list[dict[str, Any]] = []
@@ -245,7 +324,7 @@ class FlowClaim:
         unchecked = [
             queue
             for queue, (limits, _) in self._known.items()
-            if queue not in reserved and limits.max_running is None
+            if (queue not in reserved or reserved[queue].pooled) and limits.max_running is None
         ]
         if unchecked:
             self._read()
@@ -288,6 +367,7 @@ class FlowClaim:
             limits, version = known
             reserved = self.reserved.get(queue)
             if _rated(limits) and (reserved is None or reserved.version != version):
+                self.control.drop_pool(queue)
                 return []  # limits newer than the claim's reservations: the next claim's turn
             starts = reserved.by_key if reserved is not None else {}
             if limits.rate_limit is not None:
