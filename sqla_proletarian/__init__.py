@@ -14,6 +14,7 @@ from sqla_proletarian.errors import (
     PayloadDeserializationError,
     PayloadSerializationError,
     ProletarianError,
+    Snooze,
     UnknownJobTypeError,
 )
 from sqla_proletarian.handlers import AsyncJobContext, JobContext, JobHandlers
@@ -120,6 +121,7 @@ __all__ = [
     "RetryReport",
     "RetryStrategy",
     "Serializer",
+    "Snooze",
     "UnknownJobTypeError",
     "WorkerOptions",
     "cancel_job",

@@ -41,7 +41,8 @@ from sqla_proletarian.statements.base import (
 from sqla_proletarian.statements.enqueue import _KEPT_COLUMNS
 from sqla_proletarian.statements.runs import end_runs_by_id
 
-_ARCHIVE_REPLACED = (*_KEPT_COLUMNS[1:], "status", "finished_at", "error")
+#: The archive keeps a job's enqueued columns, its snoozes and its outcome.
+_ARCHIVE_REPLACED = (*_KEPT_COLUMNS[1:], "snoozes", "status", "finished_at", "error")
 
 
 @cache
@@ -71,6 +72,7 @@ def archive(
         "run_order": job["run_order"],
         "unique_key": job.get("unique_key"),
         "concurrency_key": job.get("concurrency_key"),
+        "snoozes": job.get("snoozes", 0),
         "status": status,
         "finished_at": finished_at,
         "error": error,
@@ -100,7 +102,7 @@ def delete_job_and_runs(job_id: uuid.UUID) -> Statement:
 
 # --- finishing a claim: every succeeded job archived in as few statements as possible ------
 
-_ARCHIVED_COLUMNS = [*_KEPT_COLUMNS, "status", "finished_at", "error"]
+_ARCHIVED_COLUMNS = [*_KEPT_COLUMNS, "snoozes", "status", "finished_at", "error"]
 
 
 def _as_archived(columns: Any) -> Select[Any]:
@@ -116,6 +118,7 @@ def _as_archived(columns: Any) -> Select[Any]:
         columns.run_order,
         columns.unique_key,
         columns.concurrency_key,
+        columns.snoozes,
         literal("success", String(16)),
         bindparam("now", type_=ARCHIVE.c.finished_at.type),
         null(),
@@ -232,3 +235,20 @@ _RETRY = (
 def retry(job_id: uuid.UUID, retry_at: datetime) -> Statement:
     """Count the failed run and schedule the next one."""
     return _RETRY, {"id": job_id, "retry_at": retry_at}
+
+
+_SNOOZE = (
+    update(JOB)
+    .where(JOB.c.job_id == bindparam("id"))
+    .ordered_values(
+        *_NO_LEASE,
+        (JOB.c.snoozes, JOB.c.snoozes + 1),
+        (JOB.c.process_at, bindparam("until")),
+    )
+)
+
+
+def snooze(job_id: uuid.UUID, until: datetime) -> Statement:
+    """Put a snoozed job back, due at ``until``: its run takes no attempt, and counts in
+    ``snoozes``."""
+    return _SNOOZE, {"id": job_id, "until": until}
