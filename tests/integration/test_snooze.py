@@ -178,15 +178,22 @@ def test_a_snooze_of_a_bad_value_fails_the_run_with_what_to_give(
 
 def test_a_snooze_after_a_cancel_request_archives_the_job_cancelled(engine: sa.Engine) -> None:
     """Lease mode: a cancel requested while the handler ran wins over its snooze, as over a
-    retry: the fenced update finds the request and the job is archived as cancelled."""
+    retry (the retry strategy is not asked): the fenced update finds the request and the
+    job is archived as cancelled."""
     job_id = enqueue_committed(engine, "long", None)
+    asked: list[Exception] = []
 
     def handler(job: sp.JobContext) -> None:
         with engine.begin() as conn:
             assert sp.cancel_job(conn, job.job_id)
         raise sp.Snooze(30)
 
-    assert run_one(engine, handler, "lease")
+    def retry_strategy(job: sp.JobContext, exc: Exception) -> sp.RetryStrategy:
+        asked.append(exc)
+        return sp.RetryStrategy(retries=5)
+
+    assert run_one(engine, handler, "lease", retry_strategy=retry_strategy)
+    assert asked == []
     assert job_row(engine, job_id) is None
     done = archived_job(engine, job_id)
     assert done is not None
@@ -195,7 +202,7 @@ def test_a_snooze_after_a_cancel_request_archives_the_job_cancelled(engine: sa.E
 
 def test_a_snooze_of_a_run_whose_lease_was_taken_writes_nothing(engine: sa.Engine) -> None:
     """Lease mode: a snooze is fenced by the run's token: once another run holds the job's
-    lease, the snoozing run changes nothing of it."""
+    lease, the snoozing run changes nothing of it (and asks no retry strategy)."""
     job_id = enqueue_committed(engine, "long", None)
     other = uuid.uuid4()
     table = sp.Job.__table__
@@ -207,9 +214,13 @@ def test_a_snooze_of_a_run_whose_lease_was_taken_writes_nothing(engine: sa.Engin
             )
         raise sp.Snooze(30)
 
-    before = job_row(engine, job_id)
-    assert before is not None
-    assert run_one(engine, handler, "lease")
+    def retry_strategy(job: sp.JobContext, exc: Exception) -> sp.RetryStrategy:
+        asked.append(exc)
+        return sp.RetryStrategy(retries=5)
+
+    asked: list[Exception] = []
+    assert run_one(engine, handler, "lease", retry_strategy=retry_strategy)
+    assert asked == []
     row = job_row(engine, job_id)
     assert row is not None
     assert (row.lease_token, row.snoozes, row.attempts) == (other, 0, 1)
