@@ -221,34 +221,27 @@ _NO_LEASE = (
     (JOB.c.heartbeat_at, null()),
     (JOB.c.due_at, null()),
 )
-_RETRY = (
-    update(JOB)
-    .where(JOB.c.job_id == bindparam("id"))
-    .ordered_values(
-        *_NO_LEASE,
-        (JOB.c.attempts, JOB.c.attempts + 1),
-        (JOB.c.process_at, bindparam("retry_at")),
+
+
+def _rescheduled(count: tuple[Any, Any]) -> Executable:
+    """A job given back to the queue, due at ``:due``: no lease, and ``count`` moved."""
+    return (
+        update(JOB)
+        .where(JOB.c.job_id == bindparam("id"))
+        .ordered_values(*_NO_LEASE, count, (JOB.c.process_at, bindparam("due")))
     )
-)
+
+
+_RETRY = _rescheduled((JOB.c.attempts, JOB.c.attempts + 1))
+_SNOOZE = _rescheduled((JOB.c.snoozes, JOB.c.snoozes + 1))
 
 
 def retry(job_id: uuid.UUID, retry_at: datetime) -> Statement:
     """Count the failed run and schedule the next one."""
-    return _RETRY, {"id": job_id, "retry_at": retry_at}
-
-
-_SNOOZE = (
-    update(JOB)
-    .where(JOB.c.job_id == bindparam("id"))
-    .ordered_values(
-        *_NO_LEASE,
-        (JOB.c.snoozes, JOB.c.snoozes + 1),
-        (JOB.c.process_at, bindparam("until")),
-    )
-)
+    return _RETRY, {"id": job_id, "due": retry_at}
 
 
 def snooze(job_id: uuid.UUID, until: datetime) -> Statement:
     """Put a snoozed job back, due at ``until``: its run takes no attempt, and counts in
     ``snoozes``."""
-    return _SNOOZE, {"id": job_id, "until": until}
+    return _SNOOZE, {"id": job_id, "due": until}
