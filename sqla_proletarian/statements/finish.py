@@ -211,6 +211,14 @@ def archive_succeeded(
 
 #: An expired lease taken by a transaction-mode claim is an unclean end (see leases).
 _EXPIRED_LEASE = case((JOB.c.lease_token.is_(None), 0), else_=1)
+#: The most snoozes a job's count keeps (its SMALLINT column's largest value): a job that
+#: snoozes more goes on snoozing, its count stays there.
+MAX_SNOOZES = 32_767
+#: One more snooze, up to MAX_SNOOZES.
+_SNOOZED = (
+    JOB.c.snoozes,
+    case((JOB.c.snoozes < MAX_SNOOZES, JOB.c.snoozes + 1), else_=JOB.c.snoozes),
+)
 #: What a retry writes besides the new due time: no lease (MySQL assigns in this order,
 #: each seeing the ones before, so the count reads the token before it is cleared). A cancel
 #: request stays: once committed, it ends the job at its next claim.
@@ -233,7 +241,7 @@ def _rescheduled(count: tuple[Any, Any]) -> Executable:
 
 
 _RETRY = _rescheduled((JOB.c.attempts, JOB.c.attempts + 1))
-_SNOOZE = _rescheduled((JOB.c.snoozes, JOB.c.snoozes + 1))
+_SNOOZE = _rescheduled(_SNOOZED)
 
 
 def retry(job_id: uuid.UUID, retry_at: datetime) -> Statement:

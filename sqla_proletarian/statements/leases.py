@@ -27,7 +27,7 @@ from sqla_proletarian.statements.base import (
     Statement,
     _delete_by,
 )
-from sqla_proletarian.statements.finish import _EXPIRED_LEASE, _NO_LEASE, _upserted
+from sqla_proletarian.statements.finish import _EXPIRED_LEASE, _NO_LEASE, _SNOOZED, _upserted
 
 _TOKEN = bindparam("token", type_=Uuid())
 _LEASE_IDS: BindParameter[Any] = bindparam("ids", expanding=True)
@@ -202,7 +202,7 @@ _SNOOZE_LEASE = (
     .ordered_values(
         *_NO_LEASE[1:],
         (JOB.c.attempts, JOB.c.attempts - 1),
-        (JOB.c.snoozes, JOB.c.snoozes + 1),
+        _SNOOZED,
         (JOB.c.process_at, bindparam("until")),
     )
 )

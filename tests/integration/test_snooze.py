@@ -227,6 +227,28 @@ def test_a_snooze_of_a_run_whose_lease_was_taken_writes_nothing(engine: sa.Engin
     assert archived_job(engine, job_id) is None
 
 
+@EACH_MODE
+def test_a_job_snoozed_more_than_its_count_holds_goes_on_snoozing(
+    engine: sa.Engine, mode: str
+) -> None:
+    """``snoozes`` is a SMALLINT: at its largest value a snooze still puts the job back,
+    due later, and the count stays there instead of overflowing."""
+    clock = FakeClock()
+    job_id = enqueue_committed(engine, "poll", None, clock=clock)
+    table = sp.Job.__table__
+    with engine.begin() as conn:
+        conn.execute(sa.update(table).where(table.c.job_id == job_id).values(snoozes=32_767))
+
+    def handler(job_type: str, payload: Any) -> None:
+        raise sp.Snooze(1)
+
+    assert sp.process_next_job(engine, handler, clock=clock, **MODES[mode])
+    row = job_row(engine, job_id)
+    assert row is not None
+    assert (row.snoozes, row.attempts, row.process_at) == (32_767, 0, T0 + timedelta(seconds=1))
+    assert archived_job(engine, job_id) is None
+
+
 def test_a_snoozed_job_in_a_batch_goes_back_while_the_others_succeed(engine: sa.Engine) -> None:
     """Transaction mode, several jobs a claim: the snoozed one stays queued, snoozed once,
     its batch mates are archived as succeeded."""
