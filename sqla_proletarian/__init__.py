@@ -15,6 +15,7 @@ from sqla_proletarian.errors import (
     PayloadDeserializationError,
     PayloadSerializationError,
     ProletarianError,
+    Snooze,
     UnknownJobTypeError,
 )
 from sqla_proletarian.handlers import AsyncJobContext, JobContext, JobHandlers, current_job
@@ -123,6 +124,7 @@ __all__ = [
     "RetryReport",
     "RetryStrategy",
     "Serializer",
+    "Snooze",
     "Task",
     "UnknownJobTypeError",
     "WorkerOptions",

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import Connection
@@ -146,6 +148,43 @@ class JobTimeoutError(ProletarianError):
             "writes through job.session from then on is discarded. Raise job_timeout, or "
             "make the job shorter"
         )
+
+
+#: The longest snooze, in seconds: a week.
+MAX_SNOOZE_SECONDS = 7 * 24 * 3600.0
+
+
+class Snooze(ProletarianError):
+    """Raised by a handler to put its job back in the queue, due in ``seconds`` (a number
+    or a ``timedelta``), without taking an attempt: a partner's ``Retry-After``, a resource
+    not ready yet. The retry strategy and the failed-job handler are not called, what the
+    handler wrote through ``job.session`` is rolled back, and the job's ``snoozes`` goes up
+    by one. ``seconds`` must be finite, from 0 to a week (``MAX_SNOOZE_SECONDS``)."""
+
+    def __init__(self, seconds: float | timedelta) -> None:
+        self.seconds = _snooze_seconds(seconds)
+        super().__init__(
+            f"snoozed for {self.seconds:g} s: the job runs again then, without taking an "
+            "attempt (raise Snooze only from a handler)"
+        )
+
+    @property
+    def delay(self) -> timedelta:
+        """How long the job waits before it is due again."""
+        return timedelta(seconds=self.seconds)
+
+
+def _snooze_seconds(seconds: object) -> float:
+    """A snooze's seconds as a float, or a ConfigurationError that says what to give."""
+    value = seconds.total_seconds() if isinstance(seconds, timedelta) else seconds
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        number = float(value)
+        if math.isfinite(number) and 0 <= number <= MAX_SNOOZE_SECONDS:
+            return number
+    raise ConfigurationError(
+        f"Snooze({seconds!r}): give the seconds until the job runs again, a finite number "
+        f"or a timedelta from 0 to {MAX_SNOOZE_SECONDS:g} (a week)"
+    )
 
 
 class JobTransactionLostError(ProletarianError):

@@ -26,6 +26,7 @@ from sqla_proletarian.errors import (
     JobCrashedError,
     JobTransactionLostError,
     ProletarianError,
+    Snooze,
     connection_loss_hint,
     driver_error,
     is_lock_conflict,
@@ -756,6 +757,8 @@ class JobRunner(RunnerBase):
                     # The job's transaction is gone with its connection: nothing can be
                     # recorded; the job runs again.
                     raise
+                if isinstance(exc, Snooze):
+                    return self._snooze(conn, claim, exc)
                 log_event(
                     logging.WARNING,
                     "handle-job-exception",
@@ -788,6 +791,21 @@ class JobRunner(RunnerBase):
             retry_at=retry_at.isoformat(),
             retries_left=left,
         )
+        return "retried", None
+
+    def _snooze(
+        self, conn: Connection, claim: _Claim, snooze: Snooze
+    ) -> tuple[Outcome, Failure | None]:
+        """Put the job back, due in the snooze's seconds, in the claim's transaction (the
+        handler's writes rolled back already): no attempt counted, one more snooze. The
+        worker's summary counts it as retried."""
+        job_id = claim.job["job_id"]
+
+        def write(until: datetime) -> bool:
+            _expect_one(direct.execute(conn, *sql.snooze(job_id, until)), "snooze")
+            return True
+
+        self._snoozed(claim.job, snooze, write)
         return "retried", None
 
     def _fail(

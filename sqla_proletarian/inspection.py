@@ -309,6 +309,9 @@ class JobInfo:
     None for other jobs. While its lease is live it is ``running``; once the lease expired
     (its worker died or froze) it is ``ready`` with ``lease_expired`` True, until a worker
     claims it again.
+
+    ``concurrency_key`` is the key its queue's per-key limits count it by (None: none), and
+    ``snoozes`` how often its handler raised ``Snooze`` (runs that took no attempt).
     """
 
     job_id: uuid.UUID
@@ -325,6 +328,8 @@ class JobInfo:
     heartbeat_at: datetime | None = field(default=None, kw_only=True)
     cancel_requested_at: datetime | None = field(default=None, kw_only=True)
     lease_expired: bool = field(default=False, kw_only=True)
+    concurrency_key: str | None = field(default=None, kw_only=True)
+    snoozes: int = field(default=0, kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -582,6 +587,8 @@ def _queued_info(row: Any, state: str, now: datetime) -> JobInfo:
         heartbeat_at=row.heartbeat_at if leased else None,
         cancel_requested_at=row.cancel_requested_at if leased else None,
         lease_expired=leased and row.process_at <= now,
+        concurrency_key=row.concurrency_key,
+        snoozes=row.snoozes,
     )
 
 
@@ -596,6 +603,8 @@ def _archived_info(row: Any) -> JobInfo:
         process_at=row.process_at,
         finished_at=row.finished_at,
         error=row.error,
+        concurrency_key=row.concurrency_key,
+        snoozes=row.snoozes,
     )
 
 

@@ -35,6 +35,7 @@ from sqla_proletarian.errors import (
     ConfigurationError,
     JobCrashedError,
     JobTimeoutError,
+    Snooze,
     connection_loss_hint,
     idle_limit_hit,
     idle_transaction_limit,
@@ -667,6 +668,9 @@ class LeaseRunner(RunnerBase):
             # Not the handler's failure: its session went with the connection.
             self._lost(run, session, error)
             return None, None
+        if isinstance(error, Snooze):
+            session.abandon()
+            return self._snooze(run, session, error)
         if error is None and defer is not None and not session.opened and not run.had_runs:
             run.defer()
             defer(run)
@@ -806,6 +810,19 @@ class LeaseRunner(RunnerBase):
             retries_left=left,
         )
         return "retried", None
+
+    def _snooze(
+        self, run: LeasedRun, session: LeaseSession, snooze: Snooze
+    ) -> tuple[Outcome | None, Failure | None]:
+        """Give the lease back with the job due in the snooze's seconds, fenced as a retry
+        is (the handler's writes discarded): the claim's count of the run undone, one more
+        snooze. The worker's summary counts it as retried."""
+
+        def write(until: datetime) -> bool:
+            statement = sql.snooze_lease(run.job_id, run.token, until)
+            return self._write_fenced(run, session, lambda conn: conn.execute(*statement).rowcount)
+
+        return ("retried", None) if self._snoozed(run.job, snooze, write) else (None, None)
 
     def _write(
         self, run: LeasedRun, session: LeaseSession | None, status: str, error: Exception | None

@@ -191,10 +191,11 @@ def retry_failed(
 ) -> int:
     """Put archived failures back in the queue, due now; return how many were put back.
 
-    Each keeps its ``job_id`` and its ``unique_key``, and starts again from zero attempts;
-    its archive row goes in the same transaction, so the archive shows the job again only
-    once it has ended anew. The failure is kept in the job's history (status, attempts,
-    finished_at and error): ``get_job(...).history`` and the dashboard's job page show it.
+    Each keeps its ``job_id``, its ``unique_key`` and its ``concurrency_key``, and starts
+    again from zero attempts and zero snoozes; its archive row goes in the same transaction,
+    so the archive shows the job again only once it has ended anew. The failure is kept in
+    the job's history (status, attempts, finished_at and error): ``get_job(...).history``
+    and the dashboard's job page show it.
     A failure whose unique key another queued (or running) job of its queue holds now stays
     archived as it is, is not counted, and is logged as
     ``retry-key-held`` (``retry_failed_report`` lists them): retry it once that job is done.

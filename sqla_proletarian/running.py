@@ -32,6 +32,7 @@ from sqla_proletarian.dialects import PriorityScan, dialect_of
 from sqla_proletarian.errors import (
     PayloadDeserializationError,
     ProletarianError,
+    Snooze,
     UnknownJobTypeError,
 )
 from sqla_proletarian.flow import FlowControl
@@ -368,6 +369,24 @@ class RunnerBase:
         if retry_at is None:
             log_event(logging.INFO, "not-retrying", **fields)
         return retry_at, left
+
+    def _snoozed(
+        self, job: dict[str, Any], snooze: Snooze, write: Callable[[datetime], bool]
+    ) -> bool:
+        """Put a snoozed job back, due in the snooze's seconds, by ``write`` (given the due
+        time; False: the job was not the run's any more, nothing to log), and log it."""
+        until = self.now() + snooze.delay
+        if not write(until):
+            return False
+        log_event(
+            logging.INFO,
+            "job-snoozed",
+            **self._fields(job),
+            seconds=snooze.seconds,
+            process_at=until.isoformat(),
+            hint="the handler raised Snooze: the job runs again then, with the same attempt",
+        )
+        return True
 
     def _strategy(
         self, job: dict[str, Any], context: JobContext, exc: Exception

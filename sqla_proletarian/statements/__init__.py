@@ -59,6 +59,7 @@ from sqla_proletarian.statements.finish import (
     end_claim_runs,
     end_runs,
     retry,
+    snooze,
 )
 from sqla_proletarian.statements.housekeeping import (
     archived_batch,
@@ -97,6 +98,7 @@ from sqla_proletarian.statements.leases import (
     release_leases,
     renew_leases,
     retry_lease,
+    snooze_lease,
 )
 from sqla_proletarian.statements.owners import (
     advisory_lock_tag,
@@ -200,6 +202,8 @@ __all__ = [
     "retry_lease",
     "runs_of",
     "schedules",
+    "snooze",
+    "snooze_lease",
     "start_runs",
     "start_schedule",
     "type_ends",

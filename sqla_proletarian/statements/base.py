@@ -58,6 +58,7 @@ JOB_COLUMNS = (
     JOB.c.unclean_ends,
     JOB.c.cancel_requested_at,
     JOB.c.uncharged_runs,
+    JOB.c.snoozes,
 )
 
 

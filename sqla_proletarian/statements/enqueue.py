@@ -31,8 +31,15 @@ from sqla_proletarian.statements.base import ARCHIVE, JOB, JOB_COLUMNS, Statemen
 _INSERT_JOB = insert(JOB).inline()
 
 #: The columns an enqueue writes, in order: those a claim reads (``seq`` is the server's).
-#: The columns an enqueue writes: a claimed job's, less its lease's.
-_LEASE_STATE = ("lease_token", "due_at", "unclean_ends", "cancel_requested_at", "uncharged_runs")
+#: The columns an enqueue writes: a claimed job's, less its lease's and its runs' counts.
+_LEASE_STATE = (
+    "lease_token",
+    "due_at",
+    "unclean_ends",
+    "cancel_requested_at",
+    "uncharged_runs",
+    "snoozes",
+)
 ENQUEUED_COLUMNS = tuple(column.name for column in JOB_COLUMNS if column.name not in _LEASE_STATE)
 #: The enqueued columns the archive keeps: all but the enqueuer's trace context.
 _KEPT_COLUMNS = tuple(name for name in ENQUEUED_COLUMNS if name in ARCHIVE.c)

@@ -41,7 +41,8 @@ from sqla_proletarian.statements.base import (
 from sqla_proletarian.statements.enqueue import _KEPT_COLUMNS
 from sqla_proletarian.statements.runs import end_runs_by_id
 
-_ARCHIVE_REPLACED = (*_KEPT_COLUMNS[1:], "status", "finished_at", "error")
+#: The archive keeps a job's enqueued columns, its snoozes and its outcome.
+_ARCHIVE_REPLACED = (*_KEPT_COLUMNS[1:], "snoozes", "status", "finished_at", "error")
 
 
 @cache
@@ -71,6 +72,7 @@ def archive(
         "run_order": job["run_order"],
         "unique_key": job.get("unique_key"),
         "concurrency_key": job.get("concurrency_key"),
+        "snoozes": job.get("snoozes", 0),
         "status": status,
         "finished_at": finished_at,
         "error": error,
@@ -100,7 +102,7 @@ def delete_job_and_runs(job_id: uuid.UUID) -> Statement:
 
 # --- finishing a claim: every succeeded job archived in as few statements as possible ------
 
-_ARCHIVED_COLUMNS = [*_KEPT_COLUMNS, "status", "finished_at", "error"]
+_ARCHIVED_COLUMNS = [*_KEPT_COLUMNS, "snoozes", "status", "finished_at", "error"]
 
 
 def _as_archived(columns: Any) -> Select[Any]:
@@ -116,6 +118,7 @@ def _as_archived(columns: Any) -> Select[Any]:
         columns.run_order,
         columns.unique_key,
         columns.concurrency_key,
+        columns.snoozes,
         literal("success", String(16)),
         bindparam("now", type_=ARCHIVE.c.finished_at.type),
         null(),
@@ -208,6 +211,14 @@ def archive_succeeded(
 
 #: An expired lease taken by a transaction-mode claim is an unclean end (see leases).
 _EXPIRED_LEASE = case((JOB.c.lease_token.is_(None), 0), else_=1)
+#: The most snoozes a job's count keeps (its SMALLINT column's largest value): a job that
+#: snoozes more goes on snoozing, its count stays there.
+MAX_SNOOZES = 32_767
+#: One more snooze, up to MAX_SNOOZES.
+_SNOOZED = (
+    JOB.c.snoozes,
+    case((JOB.c.snoozes < MAX_SNOOZES, JOB.c.snoozes + 1), else_=JOB.c.snoozes),
+)
 #: What a retry writes besides the new due time: no lease (MySQL assigns in this order,
 #: each seeing the ones before, so the count reads the token before it is cleared). A cancel
 #: request stays: once committed, it ends the job at its next claim.
@@ -218,17 +229,27 @@ _NO_LEASE = (
     (JOB.c.heartbeat_at, null()),
     (JOB.c.due_at, null()),
 )
-_RETRY = (
-    update(JOB)
-    .where(JOB.c.job_id == bindparam("id"))
-    .ordered_values(
-        *_NO_LEASE,
-        (JOB.c.attempts, JOB.c.attempts + 1),
-        (JOB.c.process_at, bindparam("retry_at")),
+
+
+def _rescheduled(count: tuple[Any, Any]) -> Executable:
+    """A job given back to the queue, due at ``:due``: no lease, and ``count`` moved."""
+    return (
+        update(JOB)
+        .where(JOB.c.job_id == bindparam("id"))
+        .ordered_values(*_NO_LEASE, count, (JOB.c.process_at, bindparam("due")))
     )
-)
+
+
+_RETRY = _rescheduled((JOB.c.attempts, JOB.c.attempts + 1))
+_SNOOZE = _rescheduled(_SNOOZED)
 
 
 def retry(job_id: uuid.UUID, retry_at: datetime) -> Statement:
     """Count the failed run and schedule the next one."""
-    return _RETRY, {"id": job_id, "retry_at": retry_at}
+    return _RETRY, {"id": job_id, "due": retry_at}
+
+
+def snooze(job_id: uuid.UUID, until: datetime) -> Statement:
+    """Put a snoozed job back, due at ``until``: its run takes no attempt, and counts in
+    ``snoozes``."""
+    return _SNOOZE, {"id": job_id, "due": until}

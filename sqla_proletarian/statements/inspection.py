@@ -249,14 +249,15 @@ def failures_to_retry(
     return statement, params
 
 
-#: What a job put back in the queue is made of: its archived identity and priority, attempts
-#: from zero, enqueued and due now.
+#: What a job put back in the queue is made of: its archived identity, priority and
+#: concurrency key, attempts (and snoozes) from zero, enqueued and due now.
 _REQUEUED_COLUMNS = (
     "job_id",
     "queue",
     "job_type",
     "payload",
     "run_order",
+    "concurrency_key",
     "attempts",
     "enqueued_at",
     "process_at",
@@ -271,6 +272,7 @@ def _requeued(columns: Any) -> Select[Any]:
         columns.job_type,
         columns.payload,
         columns.run_order,
+        columns.concurrency_key,
         literal(0, Integer()),
         _ENQUEUE_NOW,
         _ENQUEUE_NOW,
@@ -289,6 +291,7 @@ _MOVED = (
         ARCHIVE.c.job_type,
         ARCHIVE.c.payload,
         ARCHIVE.c.run_order,
+        ARCHIVE.c.concurrency_key,
     )
     .cte("moved")
 )

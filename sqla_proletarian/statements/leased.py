@@ -95,4 +95,6 @@ _LISTED_QUEUED = (
     JOB.c.heartbeat_at,
     JOB.c.due_at,
     JOB.c.cancel_requested_at,
+    JOB.c.concurrency_key,
+    JOB.c.snoozes,
 )

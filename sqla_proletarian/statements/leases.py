@@ -27,7 +27,7 @@ from sqla_proletarian.statements.base import (
     Statement,
     _delete_by,
 )
-from sqla_proletarian.statements.finish import _EXPIRED_LEASE, _NO_LEASE, _upserted
+from sqla_proletarian.statements.finish import _EXPIRED_LEASE, _NO_LEASE, _SNOOZED, _upserted
 
 _TOKEN = bindparam("token", type_=Uuid())
 _LEASE_IDS: BindParameter[Any] = bindparam("ids", expanding=True)
@@ -114,6 +114,7 @@ def _archive_lease(upsert: ArchiveUpsert, cancelling: bool) -> Executable:
         done.c.run_order,
         done.c.unique_key,
         done.c.concurrency_key,
+        done.c.snoozes,
         bindparam("status", type_=ARCHIVE.c.status.type),
         bindparam("now", type_=ARCHIVE.c.finished_at.type),
         bindparam("error", type_=ARCHIVE.c.error.type),
@@ -193,6 +194,25 @@ def retry_lease(job_id: uuid.UUID, token: uuid.UUID, retry_at: datetime) -> Stat
     """Schedule a leased job's next run (its claim counted this one), fenced by the token,
     unless a cancel was requested."""
     return _RETRY_LEASE, {"id": job_id, "token": token, "retry_at": retry_at}
+
+
+_SNOOZE_LEASE = (
+    update(JOB)
+    .where(JOB.c.job_id == bindparam("id"), JOB.c.lease_token == _TOKEN, _NOT_CANCELLED)
+    .ordered_values(
+        *_NO_LEASE[1:],
+        (JOB.c.attempts, JOB.c.attempts - 1),
+        _SNOOZED,
+        (JOB.c.process_at, bindparam("until")),
+    )
+)
+
+
+def snooze_lease(job_id: uuid.UUID, token: uuid.UUID, until: datetime) -> Statement:
+    """Give a snoozed job's lease back, due at ``until``, fenced by the token, unless a
+    cancel was requested: the claim's count of the run is undone (it takes no attempt) and
+    ``snoozes`` counts it."""
+    return _SNOOZE_LEASE, {"id": job_id, "token": token, "until": until}
 
 
 def _release(count: tuple[Any, Any]) -> Executable:
