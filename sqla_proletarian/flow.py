@@ -45,6 +45,9 @@ from sqla_proletarian.statements import flow as sql
 #: claim's reservation and its handler's start, so that no window of ``seconds`` over the
 #: handlers' own start times holds more than ``count`` either.
 RATE_MARGIN = 0.2
+#: Seconds after its counted start a rate-limited handler may still start: part of
+#: ``RATE_MARGIN``, the rest for the moments between that check and the handler's call.
+START_WITHIN = RATE_MARGIN * 0.75
 #: The key of a claimed job (dict) that a rate limit admitted: the latest time (the worker's
 #: clock) its handler may start at; a run that would start later is given back unrun.
 START_BY = "start_by"
@@ -394,7 +397,7 @@ class FlowClaim:
         for index, (job, key_slot) in enumerate(picked):
             job_id = job["job_id"]
             if reserved is not None and reserved.at is not None:
-                job[START_BY] = reserved.at + timedelta(seconds=RATE_MARGIN)
+                job[START_BY] = reserved.at + timedelta(seconds=START_WITHIN)
             if queue_slots:
                 self.taken.append((queue, "", queue_slots[index], job_id))
             if limits.rate_limit is not None:
