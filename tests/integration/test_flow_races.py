@@ -296,16 +296,19 @@ def test_rate_limit_lets_no_window_of_its_seconds_hold_more_starts_than_its_coun
 def test_held_back_jobs_are_neither_failed_nor_charged_an_attempt(
     engine: sa.Engine, workers: Workers, mode: str
 ) -> None:
-    """max_running=1 with 8 threads in 2 processes: 12 jobs wait their turn, one at a time,
-    while seven threads find only held-back jobs at each poll; the workers count 12
-    successes, no retry, no failure, and every job is archived as a success at attempt 1."""
-    set_limits(engine, max_running=1, rate_limit=(1000, 1.0))
+    """max_running=1 and rate_limit=(6, 1.0) with 8 threads in 2 processes: 12 jobs of
+    50 ms wait their turn, one at a time and the second six a second after the first six,
+    while seven threads find only held-back jobs (or no start left in the window) at each
+    poll; yet the workers count 12 successes, no retry, no failure, and every job is
+    archived as a success at attempt 1."""
+    set_limits(engine, max_running=1, rate_limit=(6, 1.0))
     for _ in range(2):
         workers.start("--threads", "4", *MODES[mode])
     job_ids = enqueue(engine, 12, 0.05)
     runs = drain(engine, workers, 12)
 
     assert most_at_once(runs) == 1, timeline(runs)
+    assert runs[6].start - runs[0].start >= 1.0, timeline(runs)
     assert_each_ran_once(runs, job_ids)
     assert_archived_once_each_uncharged(engine, job_ids)
 
@@ -321,7 +324,9 @@ def test_a_worker_frozen_past_its_lease_gives_its_slot_to_another_and_takes_no_s
     nothing while B holds the slot. Every job is archived once as a success; the frozen
     job counts its two runs."""
     set_limits(engine, max_running=1)
-    frozen = workers.start("--threads", "2", *LEASE)
+    # One thread: frozen in its handler, it holds no lock (a thread frozen in a claim could
+    # hold one that keeps the other worker waiting).
+    frozen = workers.start("--threads", "1", *LEASE)
     [long_id] = enqueue(engine, 1, 4.0)
     assert wait_for(lambda: workers.started(frozen) == [long_id], 30)
     os.kill(frozen.pid, signal.SIGSTOP)
