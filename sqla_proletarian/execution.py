@@ -30,6 +30,7 @@ from sqla_proletarian.errors import (
     is_lock_conflict,
     is_transient,
 )
+from sqla_proletarian.flow import FlowClaim, Reserved
 from sqla_proletarian.handlers import JobContext, JobSession, SessionOnFirstUse, StopSignal
 from sqla_proletarian.ledger import ClaimRecords
 from sqla_proletarian.logs import log_event
@@ -109,6 +110,7 @@ def poll_due_jobs(
     *,
     with_runs: bool,
     excluding: list[uuid.UUID] | None = None,
+    limited: bool = False,
 ) -> list[dict[str, Any]]:
     """Lock up to ``limit`` due jobs of a queue in claim order: its priorities that have a
     due job (hops through the poll index, one or two entries a priority, so jobs scheduled
@@ -123,7 +125,9 @@ def poll_due_jobs(
     dialect = dialect_of(conn)
     after = None
     if dialect.poll_finds_priority:
-        first = sql.poll_first(queue, now, limit, with_runs=with_runs, excluding=excluding)
+        first = sql.poll_first(
+            queue, now, limit, with_runs=with_runs, excluding=excluding, limited=limited
+        )
         jobs.extend(direct.execute(conn, *first).mappings())
         if len(jobs) == limit:
             return jobs
@@ -139,6 +143,7 @@ def poll_due_jobs(
             run_order=run_order,
             with_runs=with_runs,
             excluding=excluding,
+            limited=limited,
         )
         jobs.extend(direct.execute(conn, *poll).mappings())
         if len(jobs) == limit:
@@ -154,19 +159,32 @@ def poll_queues(
     *,
     with_runs: bool,
     excluding: list[uuid.UUID] | None = None,
+    flow: FlowClaim | None = None,
 ) -> list[dict[str, Any]]:
     """Lock up to ``limit`` due jobs of several queues in the order given: the first queue's
     (``poll_due_jobs``), then, while fewer than ``limit`` are locked, the next queue's. Each
-    queue is polled on its own range of the poll index."""
+    queue is polled on its own range of the poll index. A queue with limits is claimed as
+    they allow (``flow``); a claim that comes back short looks for limits it did not know."""
     jobs: list[dict[str, Any]] = []
     for queue in queues:
-        jobs.extend(
-            poll_due_jobs(
-                conn, queue, now, limit - len(jobs), with_runs=with_runs, excluding=excluding
+        left = limit - len(jobs)
+        if flow is not None and flow.limits(queue) is not None:
+
+            def limited_poll(n: int, queue: str = queue) -> list[dict[str, Any]]:
+                return poll_due_jobs(
+                    conn, queue, now, n, with_runs=with_runs, excluding=excluding, limited=True
+                )
+
+            found = flow.claim(
+                queue, now, left, limited_poll, with_runs=with_runs, excluding=excluding
             )
-        )
+        else:
+            found = poll_due_jobs(conn, queue, now, left, with_runs=with_runs, excluding=excluding)
+        jobs.extend(found)
         if len(jobs) == limit:
             break
+    if flow is not None and len(jobs) < limit:
+        flow.came_back_short()
     return jobs
 
 
@@ -324,9 +342,10 @@ class JobRunner(RunnerBase):
         done: list[tuple[_Claim, Outcome, Failure | None]] = []
         #: Set while a claim of several jobs writes their outcomes together.
         batch_finishing = False
+        reserved = self._flow.prepare(conn, self.now(), self._batch_size, self.dialect.begin_claim)
         self.dialect.begin_claim(conn)
         try:
-            claims, cancelled = self._claim(connections)
+            claims, cancelled = self._claim(connections, reserved)
             if not claims:
                 conn.commit()
                 self._cancelled_at_claim(cancelled)
@@ -414,7 +433,9 @@ class JobRunner(RunnerBase):
                 "gone when their success was recorded: the claim lost its row locks"
             )
 
-    def _claim(self, connections: WorkerConnections) -> tuple[list[_Claim], list[dict[str, Any]]]:
+    def _claim(
+        self, connections: WorkerConnections, reserved: dict[str, Reserved]
+    ) -> tuple[list[_Claim], list[dict[str, Any]]]:
         """Lock the next due jobs, if any, and count their runs that ended with their worker.
         A job whose cancel was requested while it was leased (its lease has expired since)
         is archived as cancelled in the claim's transaction instead: the claims, and those
@@ -430,6 +451,7 @@ class JobRunner(RunnerBase):
         held = ledger.held_jobs(self._database) if self._tracked else []
         claims: list[_Claim] = []
         cancelled: list[dict[str, Any]] = []
+        flow = self._flow.begin(conn, reserved)
         # A job whose earlier run may still be going is left alone, and the poll looks past it.
         for _ in range(3):
             found_held = []
@@ -440,6 +462,7 @@ class JobRunner(RunnerBase):
                 self._batch_size,
                 with_runs=self._tracked,
                 excluding=held,
+                flow=flow,
             ):
                 records = job.pop("runs", 0)
                 past = ledger.past_runs(
@@ -468,6 +491,7 @@ class JobRunner(RunnerBase):
             held = [*held, *found_held]
             if claims:
                 break
+        flow.finish()
         # A job whose batch died with its worker runs alone, so that a crash is charged to it.
         suspects = [claim for claim in claims if claim.past.suspect]
         return (suspects[:1] if suspects and len(claims) > 1 else claims), cancelled

@@ -504,10 +504,13 @@ class LeaseRunner(RunnerBase):
         limit = self.settings.max_unclean_ends
         ended: list[tuple[dict[str, Any], str, int, Exception | None]] = []
         runs: list[LeasedRun] = []
+        batch = jobs or self._batch_size
+        reserved = self._flow.prepare(conn, now, batch, self.dialect.begin_claim)
         self.dialect.begin_claim(conn)
         try:
+            flow = self._flow.begin(conn, reserved)
             due = poll_queues(
-                conn, self.settings.queues, now, jobs or self._batch_size, with_runs=self._with_runs
+                conn, self.settings.queues, now, batch, with_runs=self._with_runs, flow=flow
             )
             for job in due:
                 records = job.pop("runs", 0)
@@ -538,6 +541,7 @@ class LeaseRunner(RunnerBase):
                     conn,
                     *sql.lease([r.job_id for r in runs], token, owner, now, now + self._lease),
                 )
+            flow.finish(token)
             conn.commit()
         except BaseException:
             rollback_quietly(conn)

@@ -34,6 +34,7 @@ from sqla_proletarian.errors import (
     ProletarianError,
     UnknownJobTypeError,
 )
+from sqla_proletarian.flow import FlowControl
 from sqla_proletarian.handlers import JobContext, StopSignal
 from sqla_proletarian.logs import finished_logger, log_event, log_to
 from sqla_proletarian.retry import RetryStrategy, as_retry_strategy
@@ -190,6 +191,8 @@ class RunnerBase:
         self._host = f"{socket.gethostname()}:{os.getpid()}"
         # SQLite: one job per claim (its write lock is held from the claim's first read).
         self._batch_size = 1 if self.dialect.claim_takes_write_lock else settings.batch_size
+        #: The queues' limits, kept by every claim (``flow``).
+        self._flow = FlowControl(engine, settings.queues, leases=settings.lease_seconds is not None)
         self._set_up()
 
     #: Called in the claiming thread when a claim got jobs, before their handlers run (the

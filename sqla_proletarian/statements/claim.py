@@ -15,7 +15,7 @@ from sqlalchemy import (
     select,
 )
 
-from sqla_proletarian.statements.base import JOB, JOB_COLUMNS, PAUSED, RUN, Statement
+from sqla_proletarian.statements.base import JOB, JOB_COLUMNS, LIMITS, PAUSED, RUN, Statement
 
 #: How many run records a job has; read with the claim, locking nothing in the ledger.
 _RUNS = (
@@ -29,10 +29,18 @@ _RUNS = (
 
 #: Whether the queue is paused: one primary-key lookup, evaluated once per poll.
 _PAUSED = select(PAUSED.c.queue).where(PAUSED.c.queue == bindparam("queue")).exists()
+#: Whether the queue has limits: its jobs are claimed through ``flow`` only.
+_LIMITED = select(LIMITS.c.queue).where(LIMITS.c.queue == bindparam("queue")).exists()
 
 
 @cache
-def _poll(limit: int, with_runs: bool, excluding: bool = False, first: bool = False) -> Select[Any]:
+def _poll(
+    limit: int,
+    with_runs: bool,
+    excluding: bool = False,
+    first: bool = False,
+    limited: bool = False,
+) -> Select[Any]:
     columns = (*JOB_COLUMNS, _RUNS) if with_runs else JOB_COLUMNS
     statement = (
         select(*columns)
@@ -41,6 +49,8 @@ def _poll(limit: int, with_runs: bool, excluding: bool = False, first: bool = Fa
             JOB.c.run_order == (_FIRST_DUE_RUN_ORDER if first else bindparam("run_order")),
             JOB.c.process_at <= bindparam("now"),
             ~_PAUSED,
+            # The limited path claims a limited queue's jobs; the ordinary poll skips them.
+            *(() if limited else (~_LIMITED,)),
         )
         .order_by(JOB.c.run_order, JOB.c.process_at, JOB.c.seq)
         .limit(limit)
@@ -59,17 +69,19 @@ def poll(
     run_order: int,
     with_runs: bool = False,
     excluding: list[uuid.UUID] | None = None,
+    limited: bool = False,
 ) -> Statement:
     """Claim up to ``limit`` due jobs of one priority (``run_order``) of a queue unless it
     is paused, oldest first, skipping locked ones: one range of the poll index, due jobs only.
 
     ``with_runs`` adds ``runs``: the job's run records, for counting unclean ends.
     ``excluding`` leaves out jobs whose earlier run may still be going (``ledger``).
+    A queue with limits has none claimed, unless ``limited`` (``flow`` has taken the slots).
     """
     params: dict[str, Any] = {"queue": queue, "now": now, "run_order": run_order}
     if excluding:
         params["held"] = excluding
-    return _poll(limit, with_runs, bool(excluding)), params
+    return _poll(limit, with_runs, bool(excluding), limited=limited), params
 
 
 def poll_first(
@@ -79,13 +91,14 @@ def poll_first(
     *,
     with_runs: bool = False,
     excluding: list[uuid.UUID] | None = None,
+    limited: bool = False,
 ) -> Statement:
     """As ``poll``, of the queue's highest priority that has a due job, found inside the
     statement (probes of the poll index, evaluated once): a busy claim in one round trip."""
     params: dict[str, Any] = {"queue": queue, "now": now}
     if excluding:
         params["held"] = excluding
-    return _poll(limit, with_runs, bool(excluding), first=True), params
+    return _poll(limit, with_runs, bool(excluding), first=True, limited=limited), params
 
 
 def _first_run_order(after: Any = None) -> Any:

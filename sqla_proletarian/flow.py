@@ -1,0 +1,354 @@
+"""Flow control: claims that keep a queue's limits (``set_queue_limits``) across every worker.
+
+The ordinary poll skips a queue that has limits; a claim that meets one claims its jobs here,
+in the same transaction as the rest of the claim, both modes alike:
+
+- ``max_running``: the queue has N slots (rows of ``proletarian_slot``). Each job claimed
+  takes a free slot, locked with ``FOR UPDATE SKIP LOCKED``. In transaction mode the slot is
+  that row lock, held until the job's transaction ends (with its worker, if it dies). In lease
+  mode the slot names the job and its lease token, and stays taken while the job carries the
+  token unexpired: a completed, retried, released or expired lease frees it with no write, so
+  a late completion (fenced by its token) frees nothing twice.
+- ``max_running_per_key``: the same with slots per ``concurrency_key``, made on first need.
+  Due jobs are walked in claim order; a key with no free slot is skipped, so it never holds
+  back other keys' jobs.
+- Rate limits: every start is a row of ``proletarian_start``. Before its claim transaction a
+  worker reserves starts in a short transaction of its own, in turn with the queue's other
+  workers (the limit row's lock): at most what the window (``seconds``, plus ``RATE_MARGIN``)
+  has left. A sliding window over stored start times: no window ever holds more than
+  ``count``. Reservations a claim did not use are deleted with it.
+
+A worker learns that a queue has limits when a claim comes back short (the poll skipped the
+queue); from then on it reads the queue's limits at each claim, and forgets them when they
+are cleared.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Connection, Engine
+
+from sqla_proletarian.limits import QueueLimits, read_limits
+from sqla_proletarian.statements import flow as sql
+
+#: Seconds a rate limit's window counts beyond its own ``seconds``: the time between a
+#: claim's reservation and its handler's start, so that no window of ``seconds`` over the
+#: handlers' own start times holds more than ``count`` either.
+RATE_MARGIN = 0.2
+#: Due jobs read at a time by a claim that walks a queue by key.
+CANDIDATES = 50
+#: Reads of due jobs a claim makes at most, each past the keys found at their limit.
+ROUNDS = 4
+
+Slot = tuple[str, str, int, uuid.UUID]
+
+
+@dataclass
+class Reserved:
+    """Starts reserved for one claim of a queue, by slot key (``""``: the queue's own)."""
+
+    by_key: dict[str, list[uuid.UUID]] = field(default_factory=dict)
+
+    def unused(self) -> list[uuid.UUID]:
+        return [start for starts in self.by_key.values() for start in starts]
+
+
+class FlowControl:
+    """A runner's flow control: which of its queues have limits (what its claims found), and
+    the reservations its rate-limited queues need before a claim. Shared by the runner's
+    threads; each claim has its own ``FlowClaim``."""
+
+    def __init__(self, engine: Engine, queues: tuple[str, ...], *, leases: bool) -> None:
+        self.engine = engine
+        self.queues = queues
+        self.leases = leases
+        #: The queues known to have limits, with the limits last read.
+        self.known: dict[str, QueueLimits] = {}
+
+    def prepare(
+        self,
+        conn: Connection,
+        now: datetime,
+        batch: int,
+        begin: Callable[[Connection], None],
+    ) -> dict[str, Reserved]:
+        """Before a claim's transaction: reserve the starts that rate-limited queues allow
+        it, in a short transaction of its own (committed, so every worker counts them)."""
+        rated = [q for q, limits in self.known.items() if _rated(limits)]
+        if not rated:
+            return {}
+        reserved: dict[str, Reserved] = {}
+        begin(conn)
+        try:
+            fresh = read_limits(conn, tuple(rated))
+            for queue in rated:
+                limits = fresh.get(queue)
+                if limits is None or not _rated(limits):
+                    continue  # the claim reads the limits again and learns of the change
+                conn.execute(*sql.lock_limits(queue))
+                reserved[queue] = _reserve(conn, queue, limits, now, batch)
+            conn.commit()
+        except BaseException:
+            if conn.in_transaction() and not conn.invalidated:
+                conn.rollback()
+            raise
+        return reserved
+
+    def begin(self, conn: Connection, reserved: dict[str, Reserved]) -> FlowClaim:
+        """The flow control of one claim, in its transaction on ``conn``."""
+        return FlowClaim(self, conn, reserved)
+
+
+def _rated(limits: QueueLimits) -> bool:
+    return limits.rate_limit is not None or limits.rate_limit_per_key is not None
+
+
+def _window_start(now: datetime, seconds: float) -> datetime:
+    return now - timedelta(seconds=seconds + RATE_MARGIN)
+
+
+def _reserve(
+    conn: Connection, queue: str, limits: QueueLimits, now: datetime, batch: int
+) -> Reserved:
+    """Reserve the starts one claim of ``queue`` may make: the queue's own, and each key's
+    for the due jobs a claim would meet first (keys with none left are looked past)."""
+    longest = max(rate[1] for rate in (limits.rate_limit, limits.rate_limit_per_key) if rate)
+    conn.execute(*sql.prune_starts(queue, _window_start(now, longest)))
+    wanted: dict[str, int] = {}
+    if limits.rate_limit is not None:
+        count, seconds = limits.rate_limit
+        since = _window_start(now, seconds)
+        counts: dict[str, int] = dict(conn.execute(*sql.starts_since(queue, [""], since)).all())
+        wanted[""] = min(batch, count - counts.get("", 0))
+    if limits.rate_limit_per_key is not None:
+        wanted.update(_key_starts(conn, queue, limits.rate_limit_per_key, now, batch))
+    rows: list[dict[str, Any]] = []
+    reserved = Reserved()
+    for key, number in wanted.items():
+        starts = [uuid.uuid4() for _ in range(max(0, number))]
+        reserved.by_key[key] = starts
+        rows.extend({"id": s, "queue": queue, "slot_key": key, "started_at": now} for s in starts)
+    if rows:
+        conn.execute(*sql.insert_starts(rows))
+    return reserved
+
+
+def _key_starts(
+    conn: Connection, queue: str, rate: tuple[int, float], now: datetime, batch: int
+) -> dict[str, int]:
+    """How many starts to reserve for each key the claim will meet: as many as it has due
+    jobs among the first read, up to what its window has left, ``batch`` in all."""
+    count, seconds = rate
+    left: dict[str, int] = {}
+    demand: Counter[str] = Counter()
+    full: list[str] = []
+    seen: list[uuid.UUID] = []
+    for _ in range(ROUNDS):
+        rows = conn.execute(*sql.candidates(queue, now, CANDIDATES, full=full, seen=seen)).all()
+        if not rows:
+            break
+        seen.extend(row[0] for row in rows)
+        new = sorted({row[1] for row in rows if row[1] is not None and row[1] not in left})
+        if new:
+            since = _window_start(now, seconds)
+            counts: dict[str, int] = dict(conn.execute(*sql.starts_since(queue, new, since)).all())
+            for key in new:
+                left[key] = max(0, count - counts.get(key, 0))
+                if not left[key]:
+                    full.append(key)
+        demand.update(row[1] for row in rows if row[1] is not None and left[row[1]])
+        if sum(min(left[key], n) for key, n in demand.items()) >= batch:
+            break
+    wanted: dict[str, int] = {}
+    total = 0
+    for key, n in demand.items():
+        number = min(left[key], n, batch - total)
+        if number <= 0:
+            break
+        wanted[key] = number
+        total += number
+    return wanted
+
+
+class FlowClaim:
+    """One claim's flow control: the limits read in its transaction, the slots it took and
+    the starts it used."""
+
+    def __init__(
+        self, control: FlowControl, conn: Connection, reserved: dict[str, Reserved]
+    ) -> None:
+        self.control = control
+        self.conn = conn
+        self.reserved = reserved
+        #: Slots taken for the claim's jobs: (queue, key, n, job id).
+        self.taken: list[Slot] = []
+        #: The slots the claim has locked, by (queue, key): a claim's own locks do not make
+        #: its later lock statements skip them.
+        self._locked: dict[tuple[str, str], list[int]] = {}
+        self._limits: dict[str, QueueLimits] | None = None
+        if control.known:
+            self._read()
+
+    def _read(self) -> None:
+        self._limits = read_limits(self.conn, self.control.queues)
+        self.control.known = dict(self._limits)
+
+    def limits(self, queue: str) -> QueueLimits | None:
+        """The queue's limits as this claim read them (None: none known)."""
+        return None if self._limits is None else self._limits.get(queue)
+
+    def came_back_short(self) -> None:
+        """The claim found fewer jobs than it could take: a queue may have limits it did not
+        know of (the poll skipped it); read them, for the next claim."""
+        if self._limits is None:
+            self._read()
+
+    def claim(
+        self,
+        queue: str,
+        now: datetime,
+        want: int,
+        poll: Callable[[int], list[dict[str, Any]]],
+        *,
+        with_runs: bool,
+        excluding: list[uuid.UUID] | None,
+    ) -> list[dict[str, Any]]:
+        """Lock up to ``want`` due jobs of a limited queue, as many as its limits leave:
+        ``poll(n)`` claims n of them in claim order where no limit counts by key."""
+        limits = self.limits(queue)
+        assert limits is not None
+        reserved = self.reserved.get(queue)
+        if _rated(limits) and reserved is None:
+            return []  # limits newer than the claim's reservations: the next claim's turn
+        starts = reserved.by_key if reserved is not None else {}
+        if limits.rate_limit is not None:
+            want = min(want, len(starts.get("", [])))
+        queue_slots: list[int] = []
+        if limits.max_running is not None and want > 0:
+            queue_slots = self._free(queue, "", limits.max_running, want, now)
+            want = min(want, len(queue_slots))
+        if want <= 0:
+            return []
+        if limits.per_key:
+            picked = self._by_key(queue, limits, now, want, with_runs, excluding, starts)
+        else:
+            picked = [(job, None) for job in poll(want)]
+        jobs = []
+        for index, (job, key_slot) in enumerate(picked):
+            job_id = job["job_id"]
+            if queue_slots:
+                self.taken.append((queue, "", queue_slots[index], job_id))
+            if limits.rate_limit is not None:
+                starts[""].pop()
+            if key_slot is not None:
+                self.taken.append((queue, job["concurrency_key"], key_slot, job_id))
+            jobs.append(job)
+        return jobs
+
+    def _by_key(
+        self,
+        queue: str,
+        limits: QueueLimits,
+        now: datetime,
+        want: int,
+        with_runs: bool,
+        excluding: list[uuid.UUID] | None,
+        starts: dict[str, list[uuid.UUID]],
+    ) -> list[tuple[dict[str, Any], int | None]]:
+        """Walk the queue's due jobs in claim order, taking each whose key has a free slot
+        (and a reserved start) until ``want``; a key with none is looked past."""
+        conn = self.conn
+        held = set(excluding or ())
+        picked: list[tuple[dict[str, Any], int | None]] = []
+        full: set[str] = set()
+        seen: list[uuid.UUID] = []
+        spare: dict[str, list[int]] = {}
+        for _ in range(ROUNDS):
+            statement = sql.candidates(queue, now, CANDIDATES, full=sorted(full), seen=seen)
+            rows = conn.execute(*statement).all()
+            if not rows:
+                break
+            for job_id, key in rows:
+                seen.append(job_id)
+                if job_id in held or (key is not None and key in full):
+                    continue
+                slot = None
+                if key is not None:
+                    if limits.rate_limit_per_key is not None and not starts.get(key):
+                        full.add(key)
+                        continue
+                    if limits.max_running_per_key is not None:
+                        slot = self._key_slot(queue, key, limits.max_running_per_key, now, spare)
+                        if slot is None:
+                            full.add(key)
+                            continue
+                lock = sql.lock_job(job_id, queue, now, with_runs=with_runs)
+                job = conn.execute(*lock).mappings().first()
+                if job is None:  # another worker took it meanwhile
+                    if slot is not None:
+                        spare.setdefault(key, []).append(slot)
+                    continue
+                if key is not None and limits.rate_limit_per_key is not None:
+                    starts[key].pop()
+                picked.append((dict(job), slot))
+                if len(picked) == want:
+                    return picked
+        return picked
+
+    def _key_slot(
+        self, queue: str, key: str, most: int, now: datetime, spare: dict[str, list[int]]
+    ) -> int | None:
+        """A free slot of the key (one this claim took and did not use first), made when the
+        key has fewer slots than its limit."""
+        if spare.get(key):
+            return spare[key].pop()
+        free = self._free(queue, key, most, 1, now)
+        if free:
+            return free[0]
+        made = {n for _, n in self.conn.execute(*sql.slot_numbers(queue, [key]))}
+        missing = [n for n in range(1, most + 1) if n not in made]
+        if not missing:
+            return None
+        self._make_slots(queue, key, missing)
+        free = self._free(queue, key, most, 1, now)
+        return free[0] if free else None
+
+    def _make_slots(self, queue: str, key: str, numbers: list[int]) -> None:
+        """Make a key's slots. A transaction-mode claim (on a server with row locks) makes
+        them in a transaction of their own, committed at once, so that no other claim waits
+        for its job to end; a lease claim (short) and SQLite (one writer) in the claim's."""
+        rows = [{"queue": queue, "slot_key": key, "n": n} for n in numbers]
+        name = self.conn.dialect.name
+        if self.control.leases or name == "sqlite":
+            self.conn.execute(*sql.insert_slots(rows, name))
+            return
+        with self.control.engine.begin() as other:
+            other.execute(*sql.insert_slots(rows, name))
+
+    def _free(self, queue: str, key: str, most: int, want: int, now: datetime) -> list[int]:
+        """Lock up to ``want`` free slots of ``(queue, key)``; their numbers. A slot whose
+        lease was committed after the lock statement's snapshot is checked again here."""
+        conn = self.conn
+        mine = self._locked.setdefault((queue, key), [])
+        rows = conn.execute(*sql.free_slots(queue, key, most, want, now, mine)).all()
+        mine.extend(row.n for row in rows)
+        named = [row.job_id for row in rows if row.job_id is not None]
+        if not named:
+            return [row.n for row in rows]
+        live = {(job_id, token) for job_id, token in conn.execute(*sql.live_leases(named, now))}
+        return [row.n for row in rows if (row.job_id, row.token) not in live]
+
+    def finish(self, token: uuid.UUID | None = None) -> None:
+        """In the claim's transaction, before its commit: lease mode names each slot's holder
+        (the job and the claim's ``token``); the starts reserved and not used go back."""
+        if token is not None and self.taken:
+            self.conn.execute(*sql.name_holders(self.taken, token))
+        unused = [start for reserved in self.reserved.values() for start in reserved.unused()]
+        if unused:
+            self.conn.execute(*sql.delete_starts(unused))

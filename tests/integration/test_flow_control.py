@@ -1,0 +1,222 @@
+"""Queue limits kept by the claims of threaded workers, in both modes, on every backend,
+measured from the handlers' own start and end times (not the library's counters).
+
+The races between worker processes are in ``test_flow_races.py``; here two workers of one
+process (each with several threads, each thread its own connections) share a queue.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from helpers import archived, count, wait_for
+from sqlalchemy.orm import Session
+
+import sqla_proletarian as sp
+
+MODES = {
+    "transaction": {"polling_interval": 0.02},
+    "lease": {"polling_interval": 0.02, "lease_seconds": 30.0},
+}
+
+
+@pytest.fixture(params=sorted(MODES))
+def mode(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+class Intervals:
+    """A handler that sleeps and records when it ran: (key, start, end) by the clock of the
+    handler itself."""
+
+    def __init__(self, seconds: float = 0.03) -> None:
+        self.seconds = seconds
+        self.lock = threading.Lock()
+        self.runs: list[tuple[uuid.UUID, str | None, float, float]] = []
+
+    def __call__(self, job: sp.JobContext) -> None:
+        start = time.monotonic()
+        time.sleep(self.seconds)
+        key = job.payload.get("key") if isinstance(job.payload, dict) else None
+        with self.lock:
+            self.runs.append((job.job_id, key, start, time.monotonic()))
+
+    def most_at_once(self, key: str | None = "*") -> int:
+        """The most handlers (of ``key``; "*": any) that overlapped at one moment."""
+        points = []
+        for _, run_key, start, end in self.runs:
+            if key == "*" or run_key == key:
+                points += [(start, 1), (end, -1)]
+        most = now = 0
+        for _, step in sorted(points, key=lambda p: (p[0], p[1])):
+            now += step
+            most = max(most, now)
+        return most
+
+
+@contextmanager
+def workers(
+    database: Any, handler: Any, mode: str, number: int = 2, threads: int = 4
+) -> Iterator[None]:
+    with ExitStack() as stack:
+        for _ in range(number):
+            worker = sp.create_queue_worker(
+                database.engine(pool_size=threads * 2 + 2),
+                handler,
+                handler_mode="advanced",
+                worker_threads=threads,
+                queues=["q"],
+                **MODES[mode],
+            )
+            worker.start()
+            stack.callback(worker.stop)
+        yield
+
+
+def enqueue(engine: sa.Engine, number: int, key: str | None = None, queue: str = "q") -> list[Any]:
+    with Session(engine) as session:
+        ids = [
+            sp.enqueue(session, "work", {"key": key, "n": n}, queue=queue, concurrency_key=key)
+            for n in range(number)
+        ]
+        session.commit()
+    return ids
+
+
+def set_limits(engine: sa.Engine, queue: str = "q", **limits: Any) -> None:
+    with engine.begin() as conn:
+        sp.set_queue_limits(conn, queue, **limits)
+
+
+def drained(engine: sa.Engine, number: int, timeout: float = 60.0) -> None:
+    assert wait_for(lambda: count(engine, sp.ArchivedJob) == number, timeout=timeout), (
+        f"{count(engine, sp.ArchivedJob)} of {number} jobs archived"
+    )
+
+
+def test_max_running_holds_across_two_workers_of_four_threads(
+    database: Any, engine: sa.Engine, mode: str
+) -> None:
+    set_limits(engine, max_running=2)
+    enqueue(engine, 30)
+    handler = Intervals()
+    with workers(database, handler, mode):
+        drained(engine, 30)
+    assert handler.most_at_once() <= 2
+    if database.backend != "sqlite":
+        assert handler.most_at_once() == 2, "the limit let fewer run than it allows"
+    assert len({run[0] for run in handler.runs}) == len(handler.runs) == 30
+    assert {(row.status, row.attempts) for row in archived(engine)} == {("success", 1)}
+
+
+def test_a_key_at_its_limit_holds_back_no_other_key(
+    database: Any, engine: sa.Engine, mode: str
+) -> None:
+    set_limits(engine, max_running_per_key=1)
+    enqueue(engine, 24, key="A")
+    enqueue(engine, 4, key="B")
+    handler = Intervals()
+    with workers(database, handler, mode):
+        drained(engine, 28)
+    assert handler.most_at_once("A") == 1
+    assert handler.most_at_once("B") == 1
+    if database.backend != "sqlite" or mode == "lease":
+        ends = sorted((end, key) for _, key, _, end in handler.runs)
+        last_b = max(index for index, (_, key) in enumerate(ends) if key == "B")
+        a_before = sum(1 for _, key in ends[:last_b] if key == "A")
+        assert a_before < 12, f"B's jobs waited for {a_before} of A's"
+
+
+def test_a_rate_limit_holds_in_every_window_of_its_seconds(
+    database: Any, engine: sa.Engine, mode: str
+) -> None:
+    set_limits(engine, rate_limit=(4, 0.5))
+    enqueue(engine, 14)
+    handler = Intervals(0.001)
+    began = time.monotonic()
+    with workers(database, handler, mode):
+        drained(engine, 14)
+    starts = sorted(start for _, _, start, _ in handler.runs)
+    for index, start in enumerate(starts):
+        within = [s for s in starts[index:] if s - start < 0.5]
+        assert len(within) <= 4, f"{len(within)} starts within 0.5 s of {start - began:.3f}"
+    # 14 starts at 4 per half second take at least three windows.
+    assert starts[-1] - starts[0] >= 1.5
+    assert {(row.status, row.attempts) for row in archived(engine)} == {("success", 1)}
+
+
+def test_a_rate_limit_per_key_counts_each_key_apart(
+    database: Any, engine: sa.Engine, mode: str
+) -> None:
+    set_limits(engine, rate_limit_per_key=(2, 0.5))
+    enqueue(engine, 6, key="A")
+    enqueue(engine, 6, key="B")
+    handler = Intervals(0.001)
+    with workers(database, handler, mode):
+        drained(engine, 12)
+    for key in "AB":
+        starts = sorted(start for _, run_key, start, _ in handler.runs if run_key == key)
+        for index, start in enumerate(starts):
+            assert len([s for s in starts[index:] if s - start < 0.5]) <= 2, key
+    a_first = min(start for _, key, start, _ in handler.runs if key == "A")
+    b_first = min(start for _, key, start, _ in handler.runs if key == "B")
+    assert abs(a_first - b_first) < 0.4, "one key's limit held back the other's first start"
+
+
+def test_limits_set_and_cleared_while_workers_run_take_effect_at_the_next_claims(
+    database: Any, engine: sa.Engine, mode: str
+) -> None:
+    handler = Intervals(0.05)
+    with workers(database, handler, mode, number=1):
+        enqueue(engine, 4)
+        drained(engine, 4)
+        set_limits(engine, max_running=1)
+        handler.runs.clear()
+        enqueue(engine, 8)
+        drained(engine, 12)
+        assert handler.most_at_once() == 1
+        with engine.begin() as conn:
+            assert sp.clear_queue_limits(conn, "q")
+        handler.runs.clear()
+        enqueue(engine, 8)
+        drained(engine, 20)
+    if database.backend != "sqlite" or mode == "lease":
+        assert handler.most_at_once() > 1, "the cleared limit still held"
+
+
+def test_queue_limits_are_read_back_set_whole_and_refused_when_bad(engine: sa.Engine) -> None:
+    with engine.begin() as conn:
+        sp.set_queue_limits(conn, "a", max_running=3, rate_limit=(10, 1))
+        sp.set_queue_limits(conn, "b", max_running_per_key=1)
+        sp.set_queue_limits(conn, "b", rate_limit_per_key=(5, 60))
+    limits = sp.queue_limits(engine)
+    assert limits == {
+        "a": sp.QueueLimits(max_running=3, rate_limit=(10, 1.0)),
+        "b": sp.QueueLimits(rate_limit_per_key=(5, 60.0)),
+    }
+    assert limits["a"].describe() == "max_running=3 rate_limit=10/1s"
+    for bad in (
+        {"max_running": 0},
+        {"max_running": True},
+        {"max_running_per_key": 10_001},
+        {"rate_limit": (5, 0)},
+        {"rate_limit": (5, float("nan"))},
+        {"rate_limit": 5},
+        {"rate_limit_per_key": (0, 1)},
+    ):
+        with pytest.raises(sp.ConfigurationError), engine.begin() as conn:
+            sp.set_queue_limits(conn, "a", **bad)
+    assert sp.queue_limits(engine)["a"] == limits["a"]
+    with engine.begin() as conn:
+        sp.set_queue_limits(conn, "a")  # all None: no limits
+        assert not sp.clear_queue_limits(conn, "a")
+    assert set(sp.queue_limits(engine)) == {"b"}
+    with pytest.raises(sp.InvalidJobError, match="concurrency_key"), Session(engine) as session:
+        sp.enqueue(session, "work", concurrency_key="")
