@@ -318,11 +318,11 @@ def test_a_worker_frozen_past_its_lease_gives_its_slot_to_another_and_takes_no_s
 ) -> None:
     """Lease mode, max_running=1, 2 s leases. Worker A starts a 4 s job and is frozen
     (SIGSTOP); worker B starts, and once A's lease has expired B takes the job over in its
-    slot; A is resumed (SIGCONT) while B runs it. From the handlers' intervals: never 3 at
-    once; at most 2, and only while A's frozen run lasts (the one that lost its slot beside
-    the one that took it): leaving that run out, never 2 at once, so A, awake, starts
-    nothing while B holds the slot. Every job is archived once as a success; the frozen
-    job counts its two runs."""
+    slot; A is resumed (SIGCONT) while B runs it, and more jobs come, for which A and B race.
+    From the handlers' intervals: never 3 at once; at most 2, and only while A's frozen run
+    lasts (the one that lost its slot beside the one that took it): leaving that run out,
+    never 2 at once, so A, awake, starts nothing while B holds the slot. Every job is
+    archived once as a success; the frozen job counts its two runs."""
     set_limits(engine, max_running=1)
     # One thread: frozen in its handler, it holds no lock (a thread frozen in a claim could
     # hold one that keeps the other worker waiting).
@@ -336,7 +336,8 @@ def test_a_worker_frozen_past_its_lease_gives_its_slot_to_another_and_takes_no_s
         assert wait_for(lambda: long_id in workers.started(taker), 30), workers.notes()
     finally:
         os.kill(frozen.pid, signal.SIGCONT)
-    assert wait_for(lambda: len(archived(engine)) == 7, DRAIN_TIMEOUT, 0.1), workers.notes()
+    short_ids += enqueue(engine, 4, 0.1)
+    assert wait_for(lambda: len(archived(engine)) == 11, DRAIN_TIMEOUT, 0.1), workers.notes()
     for process in workers.processes:  # a graceful stop: any handler going ends first
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)
