@@ -1,16 +1,17 @@
 """What queue limits cost a drain that they never hold back: one worker (4 threads, this
 process) drains a queue of no-op jobs without limits, then with ``max_running`` far above
 its threads and a ``rate_limit`` above its speed, in transaction and in lease mode,
-interleaved over the rounds (each round turns the order of the two).
+interleaved over the rounds (each round turns the order of the drains).
 
     bash scripts/testdb.sh start; source /tmp/sqla-proletarian-testdb/env
     .venv/bin/python -m benchmarks.limited_drain [--jobs 20000] [--rounds 3]
-        [--max-running 1000] [--rate 10000/1] [--url URL]
+        [--max-running 1000] [--rate 10000/1] [--split] [--url URL]
 
 The server: ``--url``, else ``SP_TEST_POSTGRESQL_URL`` (an admin URL; the benchmark makes a
-scratch database there and drops it at the end). Prints, per mode, the median jobs/s
-(min-max) of each and the ratio limited / unlimited; a limited drain close to the rate
-limit is flagged, as the limit may then have held it back.
+scratch database there and drops it at the end). ``--split`` adds a drain under each limit
+on its own, to tell their costs apart. Prints, per mode, the median jobs/s (min-max) of each
+drain and its ratio to the unlimited one; a drain close to the rate limit is flagged, as the
+limit may then have held it back. (10,000 is the largest count a rate limit takes.)
 """
 
 from __future__ import annotations
@@ -74,6 +75,20 @@ def spread(values: list[float]) -> str:
     return f"{statistics.median(values):,.0f} ({min(values):,.0f}-{max(values):,.0f})"
 
 
+def variants(args: argparse.Namespace) -> dict[str, dict[str, Any] | None]:
+    """The drains of each mode: none, and the limits (with ``--split``, each on its own)."""
+    count, seconds = args.rate.split("/")
+    rate = (int(count), float(seconds))
+    found: dict[str, dict[str, Any] | None] = {
+        "unlimited": None,
+        "limited": {"max_running": args.max_running, "rate_limit": rate},
+    }
+    if args.split:
+        found["max_running only"] = {"max_running": args.max_running}
+        found["rate_limit only"] = {"rate_limit": rate}
+    return found
+
+
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=20_000, help="jobs per drain (20,000)")
@@ -81,6 +96,9 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--max-running", type=int, default=1000, help="max_running (1000)")
     parser.add_argument(
         "--rate", default="10000/1", help="rate_limit as COUNT/SECONDS (10000/1, the largest count)"
+    )
+    parser.add_argument(
+        "--split", action="store_true", help="also drain under each limit on its own"
     )
     parser.add_argument("--url", help="admin URL of the server (SP_TEST_POSTGRESQL_URL)")
     return parser.parse_args()
@@ -96,36 +114,40 @@ def main() -> int:
             file=sys.stderr,
         )
         return 2
-    count, seconds = args.rate.split("/")
-    rate = (int(count), float(seconds))
-    limits = {"max_running": args.max_running, "rate_limit": rate}
+    drains = variants(args)
     count_events()
-    rates: dict[tuple[str, bool], list[float]] = {
-        (mode, limited): [] for mode in MODES for limited in (False, True)
+    rates: dict[tuple[str, str], list[float]] = {
+        (mode, name): [] for mode in MODES for name in drains
     }
     with scratch(url) as engine:
         with engine.connect() as conn:
             version = ".".join(map(str, conn.dialect.server_version_info or ()))
         print(
-            f"{engine.dialect.name} {version}: {args.jobs:,} no-op "
-            f"jobs, {THREADS} threads, limited = {sp.QueueLimits(**limits).describe()}"
+            f"{engine.dialect.name} {version}: {args.jobs:,} no-op jobs, {THREADS} threads; "
+            + "; ".join(
+                f"{name} = {sp.QueueLimits(**limits).describe()}"
+                for name, limits in drains.items()
+                if limits is not None
+            )
         )
+        names = list(drains)
         for round_ in range(args.rounds):
-            order = (False, True) if round_ % 2 == 0 else (True, False)
+            turned = round_ % len(names)
+            order = names[turned:] + names[:turned]
             for mode, options in MODES.items():
-                for limited in order:
-                    value = one_drain(engine, args.jobs, options, limits if limited else None)
-                    rates[mode, limited].append(value)
-                    name = "limited" if limited else "unlimited"
-                    print(f"  round {round_ + 1} {mode:16} {name:9} {value:8,.0f} jobs/s")
-    print(f"{'mode':16} {'unlimited jobs/s':>24} {'limited jobs/s':>24} {'ratio':>6}")
+                for name in order:
+                    value = one_drain(engine, args.jobs, options, drains[name])
+                    rates[mode, name].append(value)
+                    print(f"  round {round_ + 1} {mode:16} {name:16} {value:8,.0f} jobs/s")
+    print(f"{'mode':16} {'drain':16} {'jobs/s':>24} {'/ unlimited':>11}")
     for mode in MODES:
-        free, held = rates[mode, False], rates[mode, True]
-        ratio = statistics.median(held) / statistics.median(free)
-        flag = ""
-        if statistics.median(held) > 0.8 * rate[0] / rate[1]:
-            flag = "  (near the rate limit: it may have held the drain back)"
-        print(f"{mode:16} {spread(free):>24} {spread(held):>24} {ratio:6.2f}{flag}")
+        free = statistics.median(rates[mode, "unlimited"])
+        for name, limits in drains.items():
+            held = statistics.median(rates[mode, name])
+            rate = (limits or {}).get("rate_limit")
+            near = rate is not None and held > 0.8 * rate[0] / rate[1]
+            flag = "  (near the rate limit: it may have held the drain back)" if near else ""
+            print(f"{mode:16} {name:16} {spread(rates[mode, name]):>24} {held / free:11.2f}{flag}")
     return 0
 
 
