@@ -71,7 +71,7 @@ LOOK_INTERVAL = 1.0
 #: Claims' worth of a queue's own starts a reservation makes ahead, for the runner's next
 #: claims, and the age past which they are given back unused.
 POOL_CLAIMS = 3
-POOL_AGE = RATE_MARGIN / 2
+POOL_AGE = RATE_MARGIN / 4
 #: Seconds between a runner's deletions of a rate-limited queue's starts that no window
 #: counts any more.
 PRUNE_INTERVAL = 1.0
