@@ -544,6 +544,16 @@ def test_upgrading_a_database_with_queued_jobs_to_the_last_revision_and_back_kee
         assert not sa.inspect(conn).has_table("proletarian_periodic")
 
 
+def installed_job_table(engine: sa.Engine) -> tuple[sa.TableClause, set[str]]:
+    """The job table as the database has it now (an older revision's), to write rows as that
+    revision's enqueue did (``seq`` aside: the database numbers it), and its columns."""
+    job = sp.Job.__table__
+    with engine.connect() as conn:
+        columns = {column["name"] for column in sa.inspect(conn).get_columns(job.name)}
+    names = sorted(columns - {"seq"})
+    return sa.table(job.name, *(sa.column(name, job.c[name].type) for name in names)), columns
+
+
 def test_upgrading_to_the_archived_unique_key_keeps_queued_and_archived_jobs(
     empty_database: Database,
 ) -> None:
@@ -558,13 +568,7 @@ def test_upgrading_to_the_archived_unique_key_keeps_queued_and_archived_jobs(
         "proletarian_archived_job",
         *(sa.column(name, sp.ArchivedJob.__table__.c[name].type) for name in OLD_ARCHIVE_COLUMNS),
     )
-    job = sp.Job.__table__
-    with engine.connect() as conn:
-        columns_0004 = {column["name"] for column in sa.inspect(conn).get_columns(job.name)}
-    old_job = sa.table(
-        "proletarian_job",
-        *(sa.column(name, job.c[name].type) for name in sorted(columns_0004 - {"seq"})),
-    )
+    old_job, _ = installed_job_table(engine)
     failed_id = uuid.uuid4()
     keyed = uuid.uuid4()
     with Session(engine) as session:
@@ -632,12 +636,7 @@ def test_upgrading_to_leases_keeps_queued_jobs_and_downgrading_puts_leased_ones_
     run(config, engine, command.upgrade, "sqlap_0005")
     now = sp.utc_now()
     job = sp.Job.__table__
-    with engine.connect() as conn:
-        columns_0005 = {column["name"] for column in sa.inspect(conn).get_columns(job.name)}
-    old_job = sa.table(
-        "proletarian_job",
-        *(sa.column(name, job.c[name].type) for name in sorted(columns_0005 - {"seq"})),
-    )
+    old_job, columns_0005 = installed_job_table(engine)
     queued = {
         f"kept-{n}": (uuid.uuid4(), now + timedelta(seconds=-1 if n < 2 else 3600))
         for n in range(3)
