@@ -303,7 +303,8 @@ LIMITS_SET = Command(
     """\
 Each `limits set` sets all four limits: a limit not given is none (as sp.set_queue_limits).
 Every worker obeys them from its next claim. Jobs held back wait in the queue: they are
-never failed, dropped or charged an attempt. Limits are 1 to 10000; a window is up to a week.
+never failed, dropped or charged an attempt. --max-running and --max-running-per-key are 1
+to 10000; a rate's count is a whole number from 1, and its window is up to a week.
 """,
 )
 
