@@ -2,9 +2,9 @@
 
 One function per command, listed in ``COMMANDS`` (name, summary, example, arguments, run):
 adding a command is adding an entry; a group of commands (``limits set``, ``limits show``)
-is an entry whose ``actions`` are entries too. Every command reads the database URL from ``--url``
-or ``DATABASE_URL``. Bad input gets one line on standard error that says what to do, and
-exit status 2 (usage) or 1 (anything else); never a traceback.
+is an entry whose ``actions`` are entries too. Every command reads the database URL from
+``--url`` or ``DATABASE_URL``. Bad input gets one line on standard error that says what to
+do, and exit status 2 (usage) or 1 (anything else); never a traceback.
 """
 
 from __future__ import annotations
