@@ -25,6 +25,7 @@ from sqla_proletarian import ledger
 from sqla_proletarian import statements as sql
 from sqla_proletarian.dialects import Dialect, dialect_of
 from sqla_proletarian.errors import ConfigurationError, ProletarianError
+from sqla_proletarian.limits import QueueLimits, read_limits
 from sqla_proletarian.values import Clock, check_name, utc_now
 
 __all__ = [
@@ -68,7 +69,10 @@ class QueueStatus:
     ``unhandled_job_types``: job types queued here whose last job archived in the last hour
     failed because the worker's handlers did not know the type (``UnknownJobTypeError``),
     with none of them succeeding since: what the archive can tell of the last worker's
-    handlers (a type no worker ran in the last hour is not flagged).
+    handlers (a type no worker ran in the last hour is not flagged); ``limits``: the
+    queue's limits (``sp.set_queue_limits``), None when it has none; ``waiting``: of a
+    queue with limits, its ready jobs, each waiting for room under the limits (or for a
+    free worker), never failed for it; None for a queue without limits.
     """
 
     queue: str
@@ -82,6 +86,8 @@ class QueueStatus:
     by_priority: dict[int, int] = field(default_factory=dict)
     expired_leases: int = 0
     unhandled_job_types: tuple[str, ...] = ()
+    limits: QueueLimits | None = None
+    waiting: int | None = None
 
 
 @dataclass(frozen=True)
@@ -128,8 +134,8 @@ def _earlier(one: datetime | None, other: datetime | None) -> datetime | None:
 
 
 def queue_status(bind: Engine | Connection, *, clock: Clock = utc_now) -> list[QueueStatus]:
-    """Every queue that has jobs, archived some in the last hour, or is paused, sorted by
-    name.
+    """Every queue that has jobs, archived some in the last hour, is paused or has limits,
+    sorted by name.
 
     ``running`` counts the jobs whose run record (``proletarian_job_run``) belongs to a live
     owner, checked without taking any lock: on PostgreSQL by reading ``pg_locks`` for the
@@ -154,6 +160,7 @@ def queue_status(bind: Engine | Connection, *, clock: Clock = utc_now) -> list[Q
         finished = {row.queue: row for row in conn.execute(*sql.finished_counts(now - RECENT))}
         unhandled = _unhandled_types(conn, now - RECENT)
         paused = set(conn.execute(*sql.paused_names()).scalars())
+        limits = read_limits(conn)
         claimed = conn.execute(*sql.claimed_runs()).all()
         live = _live_owners(dialect, conn, {row.owner for row in claimed})
         running: dict[str, int] = {}
@@ -161,7 +168,7 @@ def queue_status(bind: Engine | Connection, *, clock: Clock = utc_now) -> list[Q
             if row.owner in live:
                 running[row.queue] = running.get(row.queue, 0) + int(row.jobs)
         statuses = []
-        for queue in sorted(set(counts) | set(finished) | paused):
+        for queue in sorted(set(counts) | set(finished) | paused | set(limits)):
             tally = counts.get(queue, _QueueCounts())
             busy = running.get(queue, 0)
             oldest = tally.oldest_due
@@ -184,6 +191,8 @@ def queue_status(bind: Engine | Connection, *, clock: Clock = utc_now) -> list[Q
                     by_priority=dict(sorted(by_priority.get(queue, {}).items(), reverse=True)),
                     expired_leases=tally.expired,
                     unhandled_job_types=unhandled.get(queue, ()),
+                    limits=limits.get(queue),
+                    waiting=ready if queue in limits else None,
                 )
             )
     return statuses

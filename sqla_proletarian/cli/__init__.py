@@ -1,9 +1,10 @@
 """The ``sqla-proletarian`` command line: a thin shell over the library's public functions.
 
 One function per command, listed in ``COMMANDS`` (name, summary, example, arguments, run):
-adding a command is adding an entry. Every command reads the database URL from ``--url``
-or ``DATABASE_URL``. Bad input gets one line on standard error that says what to do, and
-exit status 2 (usage) or 1 (anything else); never a traceback.
+adding a command is adding an entry; a group of commands (``limits set``, ``limits show``)
+is an entry whose ``actions`` are entries too. Every command reads the database URL from
+``--url`` or ``DATABASE_URL``. Bad input gets one line on standard error that says what to
+do, and exit status 2 (usage) or 1 (anything else); never a traceback.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from sqla_proletarian.cli.common import (
     explain,
     parse_duration,
 )
-from sqla_proletarian.cli.control import CANCEL, ENQUEUE, PAUSE, RESUME
+from sqla_proletarian.cli.control import CANCEL, ENQUEUE, LIMITS, PAUSE, RESUME
 from sqla_proletarian.cli.dashboard import DASHBOARD
 from sqla_proletarian.cli.inspection import FAILED, JOBS, PRUNE, RETRY_FAILED, STATUS
 from sqla_proletarian.cli.schema import ALEMBIC_REVISION, INSTALL
@@ -58,6 +59,7 @@ COMMANDS: tuple[Command, ...] = (
     RETRY_FAILED,
     PAUSE,
     RESUME,
+    LIMITS,
     CANCEL,
     PRUNE,
     DASHBOARD,
@@ -70,7 +72,8 @@ class _Parser(argparse.ArgumentParser):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        #: The commands' parsers, by name (the top-level parser's).
+        #: The commands' parsers, by name (``limits set`` for a group's), the top-level
+        #: parser's.
         self.commands: dict[str, _Parser] = {}
 
     def error(self, message: str) -> NoReturn:
@@ -83,7 +86,7 @@ class _Parser(argparse.ArgumentParser):
     ) -> argparse.Namespace:
         parsed, unknown = self.parse_known_args(args, namespace)
         if unknown:
-            parser = self.commands.get(getattr(parsed, "command", None) or "", self)
+            parser = self.commands.get(_command_name(parsed), self)
             parser.error(parser.unrecognized(unknown))
         return parsed
 
@@ -123,7 +126,9 @@ def build_parser() -> _Parser:
         prog=PROG,
         description="A durable job queue in your SQLAlchemy database: commands.",
         epilog="examples:\n"
-        + "\n".join(f"  {command.example}" for command in COMMANDS)
+        + "\n".join(
+            f"  {example.example}" for command in COMMANDS for example in _examples(command)
+        )
         + f"\n\n`{PROG} COMMAND --help` tells more.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -131,20 +136,48 @@ def build_parser() -> _Parser:
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in COMMANDS:
-        sub: _Parser = subparsers.add_parser(
-            command.name,
-            parents=[common],
-            help=command.summary,
-            description=command.summary[:1].upper() + command.summary[1:] + ".",
-            epilog=(f"{command.details}\n" if command.details else "")
-            + f"example:\n  {command.example}",
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
-        for names, options in command.arguments:
-            sub.add_argument(*names, **options)
-        sub.set_defaults(run=command.run)
-        parser.commands[command.name] = sub
+        _add_command(parser, subparsers, command, common, "")
     return parser
+
+
+def _add_command(
+    parser: _Parser, subparsers: Any, command: Command, common: _Parser, group: str
+) -> None:
+    """The parser of ``command`` (of the group ``group``, if any), and its actions'."""
+    sub: _Parser = subparsers.add_parser(
+        command.name,
+        parents=[common],
+        help=command.summary,
+        description=command.summary[:1].upper() + command.summary[1:] + ".",
+        epilog=(f"{command.details}\n" if command.details else "")
+        + "example"
+        + ("s" if command.actions else "")
+        + ":\n"
+        + "\n".join(f"  {example.example}" for example in _examples(command)),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    for names, options in command.arguments:
+        sub.add_argument(*names, **options)
+    name = f"{group} {command.name}".strip()
+    parser.commands[name] = sub
+    if command.actions:
+        actions = sub.add_subparsers(dest="action", metavar="ACTION", required=True)
+        for action in command.actions:
+            _add_command(parser, actions, action, common, name)
+    else:
+        sub.set_defaults(run=command.run)
+
+
+def _examples(command: Command) -> tuple[Command, ...]:
+    """The commands whose examples show ``command``: itself, or its actions."""
+    return command.actions or (command,)
+
+
+def _command_name(args: argparse.Namespace) -> str:
+    """The command given, with its action for a group's (``limits set``); empty for none."""
+    return " ".join(
+        name for name in (getattr(args, "command", None), getattr(args, "action", None)) if name
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -155,21 +188,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     _configure_logging(args.log_level or ("info" if args.command == "worker" else "warning"))
+    command = _command_name(args)
     try:
         status: int = args.run(args)
     except (UsageError, InvalidJobError) as exc:
-        return _error(args.command, _one_line(exc), EXIT_USAGE)
+        return _error(command, _one_line(exc), EXIT_USAGE)
     except ConfigurationError as exc:
         code = EXIT_USAGE if args.command == "worker" else EXIT_FAILURE
-        return _error(args.command, _one_line(exc), code)
+        return _error(command, _one_line(exc), code)
     except KeyboardInterrupt:
-        return _error(args.command, "interrupted", EXIT_INTERRUPTED)
+        return _error(command, "interrupted", EXIT_INTERRUPTED)
     except BrokenPipeError:
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_FAILURE
     except Exception as exc:
-        return _error(args.command, explain(exc), EXIT_FAILURE)
+        return _error(command, explain(exc), EXIT_FAILURE)
     return status
 
 

@@ -25,6 +25,7 @@ from sqla_proletarian.dashboard.views import age_text
 from sqla_proletarian.errors import ConfigurationError, ProletarianError, driver_error
 from sqla_proletarian.exits import EXIT_INTERRUPTED as EXIT_INTERRUPTED
 from sqla_proletarian.inspection import JOB_STATES, list_jobs, queue_status
+from sqla_proletarian.limits import QueueLimits
 
 PROG = "sqla-proletarian"
 #: Exit status for bad command-line input (argparse's own).
@@ -86,6 +87,26 @@ def parse_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(
             f"{text!r}: give seconds, or a number and a unit, e.g. 30, 45s, 5min or 2h"
         ) from None
+
+
+def parse_rate(text: str) -> tuple[int, float]:
+    """``COUNT/SECONDS``: at most COUNT starts in any window of SECONDS, a number or a
+    duration (``10/1s``, ``100/5min``); a unit alone is one of it (``10/s``, ``600/min``)."""
+    count, slash, window = (part.strip() for part in text.partition("/"))
+    example = "e.g. 10/1s (10 a second), 600/min or 100/5min"
+    if not slash:
+        raise argparse.ArgumentTypeError(f"{text!r}: give COUNT/SECONDS, {example}")
+    if not count.isdigit():
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: {count!r} before the / is not a whole number of starts; give {example}"
+        )
+    try:
+        seconds = parse_seconds("1" + window if window[:1].isalpha() else window)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: {window!r} after the / is not seconds nor a duration; give {example}"
+        ) from None
+    return int(count), seconds
 
 
 def _payload(text: str | None) -> Any:
@@ -177,8 +198,8 @@ def _check_tables(engine: sa.Engine) -> None:
 
 
 def warn_if_unknown_queue(engine: sa.Engine, command: str, queue: str | None) -> None:
-    """Warn on standard error if ``queue`` has never held a job (no job, archived job or
-    pause of it) while other queues have: most likely a misspelling, which would otherwise
+    """Warn on standard error if ``queue`` has never held a job (no job, archived job,
+    pause or limits of it) while other queues have: most likely a misspelling, which would otherwise
     pass in silence. A database that has never held any job (a fresh deployment) gets no
     warning: no queue name is known yet to compare with."""
     if queue is None:
@@ -188,12 +209,12 @@ def warn_if_unknown_queue(engine: sa.Engine, command: str, queue: str | None) ->
             return
     statuses = queue_status(engine)
     if any(status.queue == queue for status in statuses):
-        return  # paused
+        return  # paused, or limited
     if not statuses and not any(list_jobs(engine, state, limit=1).jobs for state in JOB_STATES):
         return  # no queue has held a job yet
     print(
         f"{PROG} {command}: warning: queue {queue!r} has never held a job (no job, archived "
-        f"job or pause of it): check its spelling; `{PROG} status` lists the queues",
+        f"job, pause or limits of it): check its spelling; `{PROG} status` lists the queues",
         file=sys.stderr,
         flush=True,
     )
@@ -256,14 +277,16 @@ def arg(*names: str, **options: Any) -> Argument:
 
 @dataclass(frozen=True)
 class Command:
-    """One subcommand: its name, a line of help, an example, its arguments and its run."""
+    """One subcommand: its name, a line of help, an example, its arguments and its run; or,
+    with ``actions``, a group of commands (``limits set``, ``limits show``), each its own."""
 
     name: str
     summary: str
     example: str
     arguments: tuple[Argument, ...]
-    run: Callable[[argparse.Namespace], int]
+    run: Callable[[argparse.Namespace], int] | None
     details: str = ""
+    actions: tuple[Command, ...] = ()
 
 
 def _error(command: str | None, message: str, code: int = EXIT_USAGE) -> int:
@@ -280,6 +303,13 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
         "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
         for line in lines
     ]
+
+
+def limits_table(limited: Sequence[tuple[str, QueueLimits, int | None]]) -> list[str]:
+    """The queues with limits as lines of a table: each one's limits, and its ready jobs
+    waiting (``-`` when not known)."""
+    cells = [(queue, limits.describe(), _cell(waiting)) for queue, limits, waiting in limited]
+    return _table(("QUEUE", "LIMITS", "WAITING"), cells)
 
 
 def _cell(value: int | float | None) -> str:

@@ -1,9 +1,10 @@
-"""``enqueue``, ``pause``, ``resume`` and ``cancel``: putting a job in, and controlling queues and
-jobs."""
+"""``enqueue``, ``pause``, ``resume``, ``limits`` and ``cancel``: putting a job in, and
+controlling queues and jobs."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 import uuid
 
@@ -13,20 +14,33 @@ from sqla_proletarian.cli.common import (
     EXIT_FAILURE,
     PROG,
     Command,
+    UsageError,
     _database,
     _error,
     _payload,
     _uuids,
     arg,
+    limits_table,
     parse_duration,
+    parse_rate,
     parse_seconds,
     warn_if_unknown_queue,
 )
 from sqla_proletarian.control import cancel_job, pause_queue, resume_queue
 from sqla_proletarian.enqueue import enqueue
-from sqla_proletarian.inspection import JobDetail, get_job
+from sqla_proletarian.errors import ConfigurationError
+from sqla_proletarian.inspection import JobDetail, get_job, queue_status
+from sqla_proletarian.limits import (
+    QueueLimits,
+    check_rate,
+    check_running,
+    clear_queue_limits,
+    queue_limits,
+    set_queue_limits,
+)
 from sqla_proletarian.models import DEFAULT_QUEUE
 from sqla_proletarian.supervisor import EXIT_OK
+from sqla_proletarian.values import check_name
 
 
 def enqueue_job(args: argparse.Namespace) -> int:
@@ -61,6 +75,76 @@ def resume(args: argparse.Namespace) -> int:
         with engine.begin() as conn:
             resume_queue(conn, args.queue)
     print(f"queue {args.queue!r} resumed")
+    return EXIT_OK
+
+
+def limits_set(args: argparse.Namespace) -> int:
+    check_name("queue", args.queue)
+    limits = _limits_given(args)
+    with _database(args) as engine:
+        warn_if_unknown_queue(engine, "limits set", args.queue)
+        with engine.begin() as conn:
+            limits = set_queue_limits(
+                conn,
+                args.queue,
+                max_running=limits.max_running,
+                max_running_per_key=limits.max_running_per_key,
+                rate_limit=limits.rate_limit,
+                rate_limit_per_key=limits.rate_limit_per_key,
+            )
+    print(
+        f"queue {args.queue!r} limits: {limits.describe()} (from each worker's next claim; "
+        "the limits not given are none)"
+    )
+    return EXIT_OK
+
+
+def _limits_given(args: argparse.Namespace) -> QueueLimits:
+    """The limits of ``limits set``'s flags, checked before the database is opened."""
+    try:
+        limits = QueueLimits(
+            check_running("--max-running", args.max_running),
+            check_running("--max-running-per-key", args.max_running_per_key),
+            check_rate("--rate", args.rate),
+            check_rate("--rate-per-key", args.rate_per_key),
+        )
+    except ConfigurationError as exc:
+        raise UsageError(str(exc)) from None
+    if limits == QueueLimits():
+        raise UsageError(
+            "no limit given: give --max-running, --max-running-per-key, --rate or "
+            f"--rate-per-key; `{PROG} limits clear QUEUE` removes a queue's limits"
+        )
+    return limits
+
+
+def limits_show(args: argparse.Namespace) -> int:
+    with _database(args) as engine:
+        limits = queue_limits(engine)
+        waiting = {q.queue: q.waiting for q in queue_status(engine)} if limits else {}
+    if args.json:
+        shown = {
+            queue: {**found.as_dict(), "waiting": waiting.get(queue)}
+            for queue, found in sorted(limits.items())
+        }
+        print(json.dumps(shown))
+        return EXIT_OK
+    if not limits:
+        print(f"no queue has limits (`{PROG} limits set QUEUE ...` sets them)")
+        return EXIT_OK
+    limited = [(queue, found, waiting.get(queue)) for queue, found in sorted(limits.items())]
+    print("\n".join(limits_table(limited)))
+    return EXIT_OK
+
+
+def limits_clear(args: argparse.Namespace) -> int:
+    check_name("queue", args.queue)
+    with _database(args) as engine, engine.begin() as conn:
+        had = clear_queue_limits(conn, args.queue)
+    if had:
+        print(f"queue {args.queue!r} limits cleared: from each worker's next claim, none")
+    else:
+        print(f"queue {args.queue!r} had no limits: nothing to clear")
     return EXIT_OK
 
 
@@ -180,6 +264,84 @@ RESUME = Command(
     f"{PROG} resume billing",
     (arg("queue", metavar="QUEUE"),),
     resume,
+)
+
+
+LIMITS_SET = Command(
+    "set",
+    "set a queue's limits, all four at once, for every worker",
+    f"{PROG} limits set partner-api --rate 10/1s --max-running-per-key 2",
+    (
+        arg("queue", metavar="QUEUE"),
+        arg(
+            "--max-running",
+            type=int,
+            metavar="N",
+            help="at most N jobs of the queue run at once, across every worker and process",
+        ),
+        arg(
+            "--max-running-per-key",
+            type=int,
+            metavar="N",
+            help="at most N jobs of each concurrency_key run at once",
+        ),
+        arg(
+            "--rate",
+            type=parse_rate,
+            metavar="N/SECONDS",
+            help="at most N jobs of the queue start in any window of SECONDS (10/1s, 600/min, "
+            "100/5min)",
+        ),
+        arg(
+            "--rate-per-key",
+            type=parse_rate,
+            metavar="N/SECONDS",
+            help="the same for each concurrency_key",
+        ),
+    ),
+    limits_set,
+    """\
+Each `limits set` sets all four limits: a limit not given is none (as sp.set_queue_limits).
+Every worker obeys them from its next claim. Jobs held back wait in the queue: they are
+never failed, dropped or charged an attempt. --max-running and --max-running-per-key are 1
+to 10000; a rate's count is a whole number from 1, and its window is up to a week.
+""",
+)
+
+
+LIMITS_SHOW = Command(
+    "show",
+    "every queue's limits, and its ready jobs waiting",
+    f"{PROG} limits show --json",
+    (
+        arg(
+            "--json",
+            action="store_true",
+            help='one object: {"QUEUE": {"max_running": N, ..., "rate_limit": [N, SECONDS], '
+            '"waiting": N}}',
+        ),
+    ),
+    limits_show,
+)
+
+
+LIMITS_CLEAR = Command(
+    "clear",
+    "remove a queue's limits: its jobs are claimed as fast as the workers go",
+    f"{PROG} limits clear partner-api",
+    (arg("queue", metavar="QUEUE"),),
+    limits_clear,
+)
+
+
+LIMITS = Command(
+    "limits",
+    "set, show or clear a queue's limits: jobs running at once, starts per time window, "
+    "overall or per concurrency_key",
+    f"{PROG} limits show",
+    (),
+    None,
+    actions=(LIMITS_SET, LIMITS_SHOW, LIMITS_CLEAR),
 )
 
 

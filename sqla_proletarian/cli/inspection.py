@@ -21,6 +21,7 @@ from sqla_proletarian.cli.common import (
     _table,
     _uuids,
     arg,
+    limits_table,
     parse_duration,
     warn_if_unknown_queue,
 )
@@ -42,7 +43,10 @@ def status(args: argparse.Namespace) -> int:
     with _database(args) as engine:
         queues = queue_status(engine)
     if args.json:
-        rows = [asdict(queue) for queue in queues]
+        rows = [
+            {**asdict(queue), "limits": queue.limits.as_dict() if queue.limits else None}
+            for queue in queues
+        ]
         for row in rows:
             if row["oldest_ready_age_s"] is not None:
                 row["oldest_ready_age_s"] = round(row["oldest_ready_age_s"], 3)
@@ -74,6 +78,10 @@ def status(args: argparse.Namespace) -> int:
         for q in queues
     ]
     print("\n".join(_table(header, table)))
+    limited = [(q.queue, q.limits, q.waiting) for q in queues if q.limits is not None]
+    if limited:
+        print()
+        print("\n".join(limits_table(limited)))
     for q in queues:
         for job_type in q.unhandled_job_types:
             print(
@@ -242,7 +250,7 @@ PRUNE_ARGUMENTS = (
 
 STATUS = Command(
     "status",
-    "per queue: ready, scheduled, running, oldest ready, finished in the last hour",
+    "per queue: ready, scheduled, running, oldest ready, finished in the last hour; limits",
     f"{PROG} status --json",
     (arg("--json", action="store_true", help='one object: {"queues": [...]}'),),
     status,

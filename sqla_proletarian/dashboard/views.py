@@ -69,7 +69,8 @@ def overview_json(dash: Dashboard, request: Request) -> Response:
 
 
 def overview_data(dash: Dashboard) -> dict[str, Any]:
-    """Per queue: its counts, whether it is paused, and what it archived minute by minute."""
+    """Per queue: its counts, whether it is paused, its limits and the ready jobs waiting
+    under them, and what it archived minute by minute."""
     now = sp.utc_now()
     statuses = sp.queue_status(dash.engine, clock=lambda: now)
     finished = sp.finished_per_minute(dash.engine, minutes=CHART_MINUTES, clock=lambda: now)
@@ -85,13 +86,16 @@ def overview_data(dash: Dashboard) -> dict[str, Any]:
     known = {status.queue: status for status in statuses}
     queues = []
     for name in sorted(set(known) | set(paused or ())):
-        counts = asdict(known[name]) if name in known else _idle(name)
-        age = counts["oldest_ready_age_s"]
+        status = known.get(name) or sp.QueueStatus(name, 0, 0, 0, None, 0, 0)
+        age = status.oldest_ready_age_s
         queues.append(
             {
-                **counts,
+                **asdict(status),
                 "oldest_ready_age_s": round(age, 3) if age is not None else None,
                 "oldest_ready_age": age_text(age),
+                "limits": status.limits.as_dict() if status.limits else None,
+                "limits_text": status.limits.describe() if status.limits else "—",
+                "waiting_text": "—" if status.waiting is None else str(status.waiting),
                 "paused": None if paused is None else name in paused,
                 "chart": charts.get(name, _empty_chart()),
             }
@@ -347,8 +351,3 @@ def age_text(seconds: float | None) -> str:
 
 def _empty_chart() -> dict[str, list[int]]:
     return {"succeeded": [0] * CHART_MINUTES, "failed": [0] * CHART_MINUTES}
-
-
-def _idle(queue: str) -> dict[str, Any]:
-    """The counts of a queue with nothing queued nor recently archived (a paused one)."""
-    return asdict(sp.QueueStatus(queue, 0, 0, 0, None, 0, 0))

@@ -470,7 +470,9 @@ def add_flow_control(op: Operations | ModuleType | None = None) -> None:
         sa.PrimaryKeyConstraint("id", name=ops.f("pk_proletarian_start")),
         **_MYSQL_TABLE_OPTIONS,
     )
-    ops.create_index("ix_proletarian_start_window", _START, ["queue", "slot_key", "started_at"])
+    ops.create_index(
+        ops.f("ix_proletarian_start_window"), _START, ["queue", "slot_key", "started_at"]
+    )
 
 
 def drop_flow_control(op: Operations | ModuleType | None = None) -> None:

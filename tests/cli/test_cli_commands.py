@@ -107,6 +107,8 @@ def test_enqueue_status_worker_failed_retry_failed_and_prune_work_a_queue_end_to
         "by_priority": {"0": 1},
         "expired_leases": 0,
         "unhandled_job_types": [],
+        "limits": None,
+        "waiting": None,
     }
 
     pruned = cli("prune", "--older-than", "0s", "--status", "success", "--url", url)

@@ -241,3 +241,49 @@ def test_status_flags_queued_job_types_the_last_workers_handlers_did_not_know(
         sp.enqueue(conn, "mystery", queue="mail")
     statuses = {status.queue: status for status in sp.queue_status(engine)}
     assert statuses["mail"].unhandled_job_types == ()
+
+
+def test_queue_status_shows_each_queues_limits_and_its_ready_jobs_waiting(
+    engine: sa.Engine,
+) -> None:
+    """A queue with limits is listed from the moment it has them, jobs or not, with its
+    limits and ``waiting``: its ready jobs (an expired lease's included), not those due later
+    nor those running under a live lease. A queue without limits has None for both."""
+    now = sp.utc_now()
+    with engine.begin() as conn:
+        sp.set_queue_limits(conn, "api", max_running=2, rate_limit=(10, 1.0))
+        sp.set_queue_limits(conn, "reports", max_running_per_key=1)
+        due = [sp.enqueue(conn, "call", queue="api", clock=lambda: now) for _ in range(4)]
+        sp.enqueue(conn, "call", queue="api", process_in=600, clock=lambda: now)
+        sp.enqueue(conn, "mail", queue="mail", clock=lambda: now)
+    job = statements.JOB
+    with engine.begin() as conn:
+        for job_id, expires_in in ((due[0], 600), (due[1], -5)):  # a live and an expired lease
+            conn.execute(
+                sa.update(job)
+                .where(job.c.job_id == job_id)
+                .values(
+                    lease_token=uuid.uuid4(),
+                    lease_owner="w@host:1/MainThread",
+                    heartbeat_at=now,
+                    due_at=now,
+                    process_at=now + timedelta(seconds=expires_in),
+                    attempts=1,
+                )
+            )
+
+    statuses = by_queue(sp.queue_status(engine, clock=lambda: now))
+
+    api = statuses["api"]
+    assert api.limits == sp.QueueLimits(max_running=2, rate_limit=(10, 1.0))
+    assert (api.ready, api.running, api.scheduled, api.waiting) == (3, 1, 1, 3)
+    reports = statuses["reports"]
+    assert (reports.limits, reports.ready, reports.waiting) == (
+        sp.QueueLimits(max_running_per_key=1),
+        0,
+        0,
+    )
+    assert (statuses["mail"].limits, statuses["mail"].waiting) == (None, None)
+    with engine.begin() as conn:
+        sp.clear_queue_limits(conn, "reports")
+    assert "reports" not in by_queue(sp.queue_status(engine, clock=lambda: now))

@@ -191,9 +191,11 @@ def dashboard(page: Page, engine: sa.Engine) -> Iterator[Page]:
 
 
 def fill_like_a_day_at_work(engine: sa.Engine) -> None:
-    """A few queues with ready and scheduled jobs, and an hour of successes and failures."""
+    """A few queues with ready and scheduled jobs, one with limits, and an hour of successes
+    and failures."""
     now = sp.utc_now()
     with engine.begin() as conn:
+        sp.set_queue_limits(conn, "billing", max_running=2, rate_limit=(10, 1.0))
         sp.enqueue_many(
             conn,
             [("send-welcome-email", {"user": n}) for n in range(12)],
@@ -230,6 +232,8 @@ def test_the_overview_shows_each_queues_figures_and_updates_them_without_reloadi
     assert dashboard.text('tr[data-queue="crm"] [data-field="scheduled"]') == "7"
     assert dashboard.text('tr[data-queue="billing"] [data-field="failed_last_hour"]') == "7"
     assert dashboard.text('tr[data-queue="mail"] [data-field="oldest_ready_age"]').endswith("s")
+    billing = 'tr[data-queue="billing"] [data-field="limits_text"]'
+    assert dashboard.text(billing).split() == ["max_running=2", "rate_limit=10/1s"]
     dashboard.wait_for(
         lambda driver: len(driver.find_elements(By.CSS_SELECTOR, "#queues .chart canvas")) == 3,
         what="a chart per queue",
@@ -252,6 +256,38 @@ def test_the_overview_shows_each_queues_figures_and_updates_them_without_reloadi
     link = dashboard.driver.find_element(By.CSS_SELECTOR, 'tr[data-queue="images"] th a')
     assert str(link.get_attribute("href")).endswith("/jobs?state=ready&queue=images")
     dashboard.screenshot("overview-updated")
+
+
+def test_limits_set_while_the_overview_is_open_show_in_the_queues_row_and_fit_the_window(
+    dashboard: Page, engine: sa.Engine
+) -> None:
+    """Limits set meanwhile show in the queue's row on the next poll, with its ready jobs
+    waiting; all four fit a 1280 px window without sideways scrolling; cleared, the row
+    shows dashes again."""
+    with engine.begin() as conn:
+        sp.enqueue_many(conn, [("call-partner", {"n": n}) for n in range(4)], queue="partner-api")
+    dashboard.driver.set_window_size(1280, 800)
+    dashboard.open("/")
+    limits_cell = 'tr[data-queue="partner-api"] [data-field="limits_text"]'
+    waiting_cell = 'tr[data-queue="partner-api"] [data-field="waiting_text"]'
+    assert (dashboard.text(limits_cell), dashboard.text(waiting_cell)) == ("—", "—")
+
+    limits = sp.QueueLimits(10, 2, (10, 1.0), (1, 60.0))
+    with engine.begin() as conn:
+        sp.set_queue_limits(conn, "partner-api", max_running=10, max_running_per_key=2,
+                            rate_limit=(10, 1.0), rate_limit_per_key=(1, 60.0))  # fmt: skip
+    dashboard.wait_text(limits_cell, limits.describe())
+    assert dashboard.text(waiting_cell) == "4"
+    dashboard.screenshot("overview-limits")
+    width, page_width = dashboard.driver.execute_script(
+        "return [document.documentElement.clientWidth, document.documentElement.scrollWidth];"
+    )
+    assert page_width <= width <= 1280
+
+    with engine.begin() as conn:
+        sp.clear_queue_limits(conn, "partner-api")
+    dashboard.wait_text(limits_cell, "—")
+    assert dashboard.text(waiting_cell) == "—"
 
 
 def test_a_failed_job_is_opened_retried_and_leaves_the_failed_list(

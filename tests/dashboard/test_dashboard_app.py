@@ -60,6 +60,37 @@ def test_overview_shows_each_queues_figures_and_its_json_the_same_with_a_chart(
     assert json.loads(embedded.split("</script>")[0])["queues"][0]["queue"] == "billing"
 
 
+def test_overview_shows_each_queues_limits_and_its_ready_jobs_waiting(engine: sa.Engine) -> None:
+    """A queue with limits shows them (QueueLimits.describe()) and its ready jobs waiting, in
+    the page and in the JSON it polls; a queue without limits shows a dash for both."""
+    enqueue(engine, queue="partner-api", concurrency_key="tenant-1")
+    enqueue(engine, queue="partner-api", concurrency_key="tenant-2")
+    enqueue(engine, queue="mail")
+    limits = sp.QueueLimits(max_running_per_key=1, rate_limit=(10, 1.0))
+    with engine.begin() as conn:
+        sp.set_queue_limits(conn, "partner-api", max_running_per_key=1, rate_limit=(10, 1.0))
+    visitor = Visitor(create_dashboard(engine))
+
+    text = visitor.get("/").get_data(as_text=True)
+
+    row = text.split('<tr data-queue="partner-api">')[1].split("</tr>")[0]
+    assert f'<td class="limits" data-field="limits_text">{limits.describe()}</td>' in row
+    assert '<td class="num" data-field="waiting_text">2</td>' in row
+    other = text.split('<tr data-queue="mail">')[1].split("</tr>")[0]
+    assert '<td class="limits" data-field="limits_text">—</td>' in other
+    assert '<td class="num" data-field="waiting_text">—</td>' in other
+    data = visitor.get("/api/overview").json
+    assert data is not None
+    queues = {queue["queue"]: queue for queue in data["queues"]}
+    api = queues["partner-api"]
+    assert (api["limits"], api["limits_text"], api["waiting"]) == (
+        limits.as_dict(),
+        limits.describe(),
+        2,
+    )
+    assert (queues["mail"]["limits"], queues["mail"]["waiting"]) == (None, None)
+
+
 def test_jobs_pages_list_by_state_and_open_a_jobs_detail(engine: sa.Engine) -> None:
     """The jobs list filters by state, queue and job type and links each job to its page,
     which shows its payload and, for a failure, the archived error."""

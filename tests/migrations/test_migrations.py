@@ -275,6 +275,7 @@ from alembic import op
 from sqla_proletarian.migrations import (
     add_archived_unique_key,
     add_enqueue_notifications,
+    add_flow_control,
     add_job_control,
     add_job_history,
     add_leases,
@@ -284,6 +285,7 @@ from sqla_proletarian.migrations import (
     create_tables,
     drop_archived_unique_key,
     drop_enqueue_notifications,
+    drop_flow_control,
     drop_job_control,
     drop_job_history,
     drop_leases,
@@ -341,12 +343,13 @@ def user_project(root: Path, *, calls_helpers: bool, library_location: bool) -> 
         upgrade_extra=(
             "create_tables(op); add_run_owners(op); add_enqueue_notifications(op); "
             "add_trace_context(op); add_job_control(op); add_archived_unique_key(op); "
-            "add_leases(op); add_uncharged_runs(op); add_job_history(op)"
+            "add_leases(op); add_uncharged_runs(op); add_job_history(op); add_flow_control(op)"
             if calls_helpers
             else "pass"
         ),
         downgrade_extra=(
-            "drop_job_history(op); drop_uncharged_runs(op); drop_leases(op); "
+            "drop_flow_control(op); drop_job_history(op); drop_uncharged_runs(op); "
+            "drop_leases(op); "
             "drop_archived_unique_key(op); "
             "drop_job_control(op); "
             "drop_trace_context(op); "
@@ -541,6 +544,16 @@ def test_upgrading_a_database_with_queued_jobs_to_the_last_revision_and_back_kee
         assert not sa.inspect(conn).has_table("proletarian_periodic")
 
 
+def installed_job_table(engine: sa.Engine) -> tuple[sa.TableClause, set[str]]:
+    """The job table as the database has it now (an older revision's), to write rows as that
+    revision's enqueue did (``seq`` aside: the database numbers it), and its columns."""
+    job = sp.Job.__table__
+    with engine.connect() as conn:
+        columns = {column["name"] for column in sa.inspect(conn).get_columns(job.name)}
+    names = sorted(columns - {"seq"})
+    return sa.table(job.name, *(sa.column(name, job.c[name].type) for name in names)), columns
+
+
 def test_upgrading_to_the_archived_unique_key_keeps_queued_and_archived_jobs(
     empty_database: Database,
 ) -> None:
@@ -555,9 +568,24 @@ def test_upgrading_to_the_archived_unique_key_keeps_queued_and_archived_jobs(
         "proletarian_archived_job",
         *(sa.column(name, sp.ArchivedJob.__table__.c[name].type) for name in OLD_ARCHIVE_COLUMNS),
     )
+    old_job, _ = installed_job_table(engine)
     failed_id = uuid.uuid4()
+    keyed = uuid.uuid4()
     with Session(engine) as session:
-        keyed = sp.enqueue(session, "keyed", unique_key="k")
+        # The job as sqlap_0004's enqueue wrote it (today's enqueue writes later columns).
+        session.execute(
+            sa.insert(old_job).values(
+                job_id=keyed,
+                queue="default",
+                job_type="keyed",
+                payload="null",
+                attempts=0,
+                enqueued_at=now,
+                process_at=now,
+                run_order=0,
+                unique_key="k",
+            )
+        )
         session.execute(
             sa.insert(old_archive).values(
                 job_id=failed_id,
@@ -608,12 +636,7 @@ def test_upgrading_to_leases_keeps_queued_jobs_and_downgrading_puts_leased_ones_
     run(config, engine, command.upgrade, "sqlap_0005")
     now = sp.utc_now()
     job = sp.Job.__table__
-    with engine.connect() as conn:
-        columns_0005 = {column["name"] for column in sa.inspect(conn).get_columns(job.name)}
-    old_job = sa.table(
-        "proletarian_job",
-        *(sa.column(name, job.c[name].type) for name in sorted(columns_0005 - {"seq"})),
-    )
+    old_job, columns_0005 = installed_job_table(engine)
     queued = {
         f"kept-{n}": (uuid.uuid4(), now + timedelta(seconds=-1 if n < 2 else 3600))
         for n in range(3)
@@ -643,11 +666,13 @@ def test_upgrading_to_leases_keeps_queued_jobs_and_downgrading_puts_leased_ones_
             sa.select(job.c.job_id, job.c.lease_token, job.c.due_at, job.c.unclean_ends)
         ).all()
     assert sorted(kept) == sorted((job_id, None, None, 0) for job_id, _ in queued.values())
-    # sqlap_0007 (the runs given back uncharged) too, as the worker needs: 0 for each job.
+    # sqlap_0007 (the runs given back uncharged) too: 0 for each job; then the later
+    # revisions, as the worker needs.
     run(config, engine, command.upgrade, "sqlap_0007")
     with engine.connect() as conn:
         uncharged = conn.execute(sa.select(job.c.uncharged_runs)).scalars().all()
     assert uncharged == [0, 0, 0]
+    run(config, engine, command.upgrade, "heads")
     ran: list[str] = []
     while sp.process_next_job(engine, lambda job_type, payload: ran.append(job_type)):
         pass

@@ -35,6 +35,7 @@ def test_a_new_job_gets_its_defaults_from_the_clock_and_the_serializer() -> None
         "process_at": NOW,
         "run_order": 0,
         "unique_key": None,
+        "concurrency_key": None,
     }
 
 
