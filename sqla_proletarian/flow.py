@@ -126,6 +126,8 @@ class FlowControl:
         queue's own rate is served from the starts a recent reservation made ahead (the
         pool) while they are fresh; else, and for per-key rates, they are reserved in a
         short transaction of its own (committed, so every worker counts them)."""
+        if not self.looked:
+            self._first_look(conn, begin)
         # In name order: workers that serve the same queues in other orders take turns on
         # their limit rows without a deadlock.
         rated = sorted(q for q, (limits, _) in self.known.items() if _rated(limits))
@@ -168,6 +170,19 @@ class FlowControl:
                 self.stale.extend(stale)
             raise
         return reserved
+
+    def _first_look(self, conn: Connection, begin: Callable[[Connection], None]) -> None:
+        """The runner's first claim reads which of its queues have limits, so that even a
+        runner of one claim (``process_next_job``) claims a limited queue's jobs."""
+        begin(conn)
+        try:
+            self.known = read_versions(conn, self.queues)
+            conn.commit()
+        except BaseException:
+            if conn.in_transaction() and not conn.invalidated:
+                conn.rollback()
+            raise
+        self.looked = time.monotonic()
 
     def _from_pool(self, queue: str, now: datetime, batch: int) -> Reserved | None:
         """Up to ``batch`` of the queue's pooled starts still fresh (at most ``POOL_AGE``

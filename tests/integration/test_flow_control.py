@@ -269,3 +269,18 @@ def test_the_asyncio_workers_claims_keep_max_running_and_the_per_key_limit(
     assert len(runs) == 16
     assert recorded.most_at_once() <= 2
     assert recorded.most_at_once("A") == recorded.most_at_once("B") == 1
+
+
+def test_process_next_job_claims_from_a_limited_queue_within_its_limits(
+    engine: sa.Engine, mode: str
+) -> None:
+    """A runner of one claim reads the limits first: it claims a limited queue's jobs, and a
+    rate limit holds it back once the window is full."""
+    set_limits(engine, max_running=1, rate_limit=(2, 60.0))
+    enqueue(engine, 3)
+    ran: list[Any] = []
+    options: dict[str, Any] = {"lease_seconds": 30.0} if mode == "lease" else {}
+    for _ in range(3):
+        sp.process_next_job(engine, lambda t, p: ran.append(p), queue="q", **options)
+    assert len(ran) == 2, "the rate limit's window of a minute holds two starts"
+    assert count(engine, sp.Job) == 1

@@ -8,6 +8,7 @@ fresh database, with PUBLIC's default rights on that database revoked, and drops
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -49,8 +50,21 @@ WORKER_GRANTS: list[Grant] = [
     ("SELECT", "proletarian_job_run"),
     ("INSERT", "proletarian_job_run"),
     ("DELETE", "proletarian_job_run"),
-    # Each poll checks whether its queue is paused.
+    # Each poll checks whether its queue is paused, and whether it has limits.
     ("SELECT", "proletarian_paused_queue"),
+    ("SELECT", "proletarian_queue_limit"),
+]
+#: What a worker of queues with limits needs besides: the limit rows' locks (a rate's
+#: reservations take turns on them; FOR UPDATE needs UPDATE on PostgreSQL), the slots it
+#: locks, makes (per key) and names (lease mode), and the starts a rate limit counts.
+FLOW_GRANTS: list[Grant] = [
+    ("UPDATE", "proletarian_queue_limit"),
+    ("SELECT", "proletarian_slot"),
+    ("INSERT", "proletarian_slot"),
+    ("UPDATE", "proletarian_slot"),
+    ("SELECT", "proletarian_start"),
+    ("INSERT", "proletarian_start"),
+    ("DELETE", "proletarian_start"),
 ]
 #: What a worker with periodic jobs needs besides: its schedules' records, and enqueueing.
 PERIODIC_GRANTS: dict[str, list[Grant]] = {
@@ -308,6 +322,35 @@ def test_a_worker_without_the_crash_ledger_only_removes_leftover_run_records(
     grants = list(WORKER_GRANTS)
     worker = roles.make("worker", [g for g in grants if g not in ledger_grants])
     exercise_worker(engine, worker, "no-ledger", ledger=False)
+
+
+@pytest.mark.parametrize("lease", [False, True], ids=["transaction", "lease"])
+def test_a_worker_role_with_the_flow_grants_runs_a_limited_queue(
+    roles: Roles, engine: sa.Engine, lease: bool
+) -> None:
+    """With the worker grants and the flow-control ones, a queue with every kind of limit
+    is drained, in both modes."""
+    worker = roles.make("worker", [*WORKER_GRANTS, *FLOW_GRANTS])
+    with engine.begin() as conn:
+        sp.set_queue_limits(
+            conn,
+            "limited",
+            max_running=2,
+            max_running_per_key=1,
+            rate_limit=(100, 1.0),
+            rate_limit_per_key=(100, 1.0),
+        )
+        for n in range(6):
+            sp.enqueue(conn, "ok", {"n": n}, queue="limited", concurrency_key=f"k{n % 2}")
+    ran: list[Any] = []
+    options: dict[str, Any] = {"lease_seconds": 30.0} if lease else {}
+    deadline = time.monotonic() + 30
+    while len(ran) < 6 and time.monotonic() < deadline:
+        if not sp.process_next_job(
+            worker.engine, lambda t, p: ran.append(p), queue="limited", **options
+        ):
+            time.sleep(0.05)
+    assert sorted(p["n"] for p in ran) == list(range(6))
 
 
 def test_an_enqueue_only_role_enqueues_but_cannot_delete_read_or_change_jobs(
