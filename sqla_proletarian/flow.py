@@ -262,7 +262,12 @@ def _reserve(
         count, seconds = limits.rate_limit
         since = _window_start(now, seconds)
         counts: dict[str, int] = dict(conn.execute(*sql.starts_since(queue, [""], since)).all())
-        wanted[""] = min(batch + ahead, count - counts.get("", 0))
+        left = count - counts.get("", 0)
+        # Starts made ahead only while the window has room to spare (at least half of it
+        # left after them): where the limit binds, no runner holds starts it may not use.
+        if left - batch - ahead < count / 2:
+            ahead = 0
+        wanted[""] = min(batch + ahead, left)
     if limits.rate_limit_per_key is not None:
         wanted.update(_key_starts(conn, queue, limits.rate_limit_per_key, now, batch))
     rows: list[dict[str, Any]] = []
