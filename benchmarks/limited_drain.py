@@ -1,27 +1,30 @@
 """What queue limits cost a drain that they never hold back: one worker (4 threads, this
 process) drains a queue of no-op jobs without limits, then with ``max_running`` far above
-its threads and a ``rate_limit`` above its speed, in transaction and in lease mode,
-interleaved over the rounds (each round turns the order of the drains).
+its threads and a ``rate_limit`` above its speed, in transaction and in lease mode, at each
+batch size, interleaved over the rounds (each round turns the order of the drains).
 
-    bash scripts/testdb.sh start; source /tmp/sqla-proletarian-testdb/env
-    .venv/bin/python -m benchmarks.limited_drain [--jobs 20000] [--rounds 3]
-        [--max-running 1000] [--rate 10000/1] [--split] [--url URL]
+    python -m benchmarks.limited_drain [--jobs 10000] [--rounds 3] [--batch-sizes 1,50]
+        [--max-running 1000] [--rate 1000000/1] [--split] [--url URL]
 
-The server: ``--url``, else ``SP_TEST_POSTGRESQL_URL`` (an admin URL; the benchmark makes a
-scratch database there and drops it at the end). ``--split`` adds a drain under each limit
-on its own, to tell their costs apart. Prints, per mode, the median jobs/s (min-max) of each
-drain and its ratio to the unlimited one; a drain close to the rate limit is flagged, as the
-limit may then have held it back. (10,000 is the largest count a rate limit takes.)
+The servers: the durable benchmark servers (scripts/benchdb.sh: PostgreSQL and MariaDB,
+started and stopped by it, as ``make bench`` does), or ``--url``, an admin URL where a
+scratch database is made and dropped. ``--split`` adds a drain under each limit on its own,
+to tell their costs apart. Prints the median jobs/s (min-max) of each drain and its ratio to
+the unlimited one, and writes the table into its own section of benchmarks/results.md; a
+drain close to the rate limit is flagged, as the limit may then have held it back.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import shlex
 import statistics
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
@@ -29,6 +32,8 @@ import sqlalchemy as sa
 import sqla_proletarian as sp
 from benchmarks.fill import check_drained, fill, fresh_tables
 from benchmarks.library import THREADS, count_events, run_until, worker
+from benchmarks.report import RESULTS, write_section
+from benchmarks.servers import durable_servers
 
 #: The queue ``fill`` puts the jobs in.
 QUEUE = "default"
@@ -38,6 +43,7 @@ MODES: dict[str, dict[str, Any]] = {
     "lease mode": {"lease_seconds": 60.0},
 }
 SCRATCH = "limited_drain_bench"
+SECTION = "limits"
 
 
 @contextmanager
@@ -91,63 +97,115 @@ def variants(args: argparse.Namespace) -> dict[str, dict[str, Any] | None]:
 
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--jobs", type=int, default=20_000, help="jobs per drain (20,000)")
+    parser.add_argument("--jobs", type=int, default=10_000, help="jobs per drain (10,000)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds, interleaved (3)")
     parser.add_argument("--max-running", type=int, default=1000, help="max_running (1000)")
     parser.add_argument(
-        "--rate", default="10000/1", help="rate_limit as COUNT/SECONDS (10000/1, the largest count)"
+        "--rate", default="1000000/1", help="rate_limit as COUNT/SECONDS (1000000/1)"
+    )
+    parser.add_argument(
+        "--batch-sizes", default="1,50", help="the workers' batch sizes, comma-separated (1,50)"
     )
     parser.add_argument(
         "--split", action="store_true", help="also drain under each limit on its own"
     )
-    parser.add_argument("--url", help="admin URL of the server (SP_TEST_POSTGRESQL_URL)")
+    parser.add_argument(
+        "--url",
+        help="admin URL of one server (a scratch database is made there); default: the "
+        "durable benchmark servers (scripts/benchdb.sh), PostgreSQL and MariaDB",
+    )
+    parser.add_argument("--output", type=Path, default=RESULTS, help="the Markdown file")
+    parser.add_argument("--keep-servers", action="store_true", help="leave the servers running")
     return parser.parse_args()
+
+
+@contextmanager
+def engines(args: argparse.Namespace) -> Iterator[list[sa.Engine]]:
+    """The engines to drain on: a scratch database on ``--url``, else the durable servers'
+    benchmark databases."""
+    if args.url:
+        with scratch(args.url) as engine:
+            yield [engine]
+        return
+    with durable_servers(keep=args.keep_servers) as servers:
+        found = [server.engine() for server in servers]
+        try:
+            yield found
+        finally:
+            for engine in found:
+                engine.dispose()
 
 
 def main() -> int:
     args = parse()
-    url = args.url or os.environ.get("SP_TEST_POSTGRESQL_URL")
-    if not url:
-        print(
-            "limited_drain: give --url, or source /tmp/sqla-proletarian-testdb/env for "
-            "SP_TEST_POSTGRESQL_URL",
-            file=sys.stderr,
-        )
-        return 2
+    command = shlex.join(["python", "-m", "benchmarks.limited_drain", *sys.argv[1:]])
+    started_at, started = datetime.now(UTC), time.perf_counter()
     drains = variants(args)
+    batches = [int(size) for size in args.batch_sizes.split(",")]
     count_events()
-    rates: dict[tuple[str, str], list[float]] = {
-        (mode, name): [] for mode in MODES for name in drains
-    }
-    with scratch(url) as engine:
-        with engine.connect() as conn:
-            version = ".".join(map(str, conn.dialect.server_version_info or ()))
-        print(
-            f"{engine.dialect.name} {version}: {args.jobs:,} no-op jobs, {THREADS} threads; "
-            + "; ".join(
-                f"{name} = {sp.QueueLimits(**limits).describe()}"
-                for name, limits in drains.items()
-                if limits is not None
+    rates: dict[tuple[str, str, int, str], list[float]] = {}
+    lines: list[str] = []
+    with engines(args) as found:
+        for engine in found:
+            with engine.connect() as conn:
+                version = ".".join(map(str, conn.dialect.server_version_info or ()))
+            server = f"{engine.dialect.name} {version}"
+            print(
+                f"{server}: {args.jobs:,} no-op jobs, {THREADS} threads; "
+                + "; ".join(
+                    f"{name} = {sp.QueueLimits(**limits).describe()}"
+                    for name, limits in drains.items()
+                    if limits is not None
+                ),
+                flush=True,
             )
-        )
-        names = list(drains)
-        for round_ in range(args.rounds):
-            turned = round_ % len(names)
-            order = names[turned:] + names[:turned]
-            for mode, options in MODES.items():
-                for name in order:
-                    value = one_drain(engine, args.jobs, options, drains[name])
-                    rates[mode, name].append(value)
-                    print(f"  round {round_ + 1} {mode:16} {name:16} {value:8,.0f} jobs/s")
-    print(f"{'mode':16} {'drain':16} {'jobs/s':>24} {'/ unlimited':>11}")
-    for mode in MODES:
-        free = statistics.median(rates[mode, "unlimited"])
-        for name, limits in drains.items():
-            held = statistics.median(rates[mode, name])
-            rate = (limits or {}).get("rate_limit")
-            near = rate is not None and held > 0.8 * rate[0] / rate[1]
-            flag = "  (near the rate limit: it may have held the drain back)" if near else ""
-            print(f"{mode:16} {name:16} {spread(rates[mode, name]):>24} {held / free:11.2f}{flag}")
+            names = list(drains)
+            for round_ in range(args.rounds):
+                turned = round_ % len(names)
+                order = names[turned:] + names[:turned]
+                for mode, options in MODES.items():
+                    for batch in batches:
+                        for name in order:
+                            value = one_drain(
+                                engine, args.jobs, {**options, "batch_size": batch}, drains[name]
+                            )
+                            rates.setdefault((server, mode, batch, name), []).append(value)
+                            print(
+                                f"  round {round_ + 1} {mode:16} batch {batch:<3} {name:16} "
+                                f"{value:8,.0f} jobs/s",
+                                flush=True,
+                            )
+            for mode in MODES:
+                for batch in batches:
+                    free = statistics.median(rates[server, mode, batch, "unlimited"])
+                    for name, limits in drains.items():
+                        values = rates[server, mode, batch, name]
+                        held = statistics.median(values)
+                        rate = (limits or {}).get("rate_limit")
+                        near = rate is not None and held > 0.8 * rate[0] / rate[1]
+                        flag = " (near the rate limit: it may have held the drain back)"
+                        lines.append(
+                            f"| {server} | {mode} | {batch} | {name} | {spread(values)} | "
+                            f"{held / free:.2f}{flag if near else ''} |"
+                        )
+    minutes = (time.perf_counter() - started) / 60
+    header = [
+        "## Queue limits that never bind (`python -m benchmarks.limited_drain`)",
+        "",
+        f"- Command: `{command}`; run {started_at:%Y-%m-%d %H:%M} UTC, {minutes:.1f} min.",
+        f"- One worker of {THREADS} threads drains {args.jobs:,} no-op jobs; {args.rounds} "
+        "round(s), interleaved; each cell is the median over the rounds (min-max); the ratio "
+        "is the drain's over the unlimited one of the same server, mode and batch size.",
+        f"- Limits: max_running={args.max_running}, rate_limit={args.rate} (far above the "
+        "threads and the drain's speed: they cost their checks, and hold nothing back).",
+        "",
+        "| server | mode | batch_size | drain | jobs/s | / unlimited |",
+        "|---|---|---|---|---|---|",
+    ]
+    body = "\n".join([*header, *lines])
+    print(body)
+    write_section(args.output, SECTION, body)
+    print(f"\nwritten to {args.output} ({minutes:.1f} min)")
     return 0
 
 
