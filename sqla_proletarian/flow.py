@@ -70,7 +70,7 @@ ROUNDS = 4
 LOOK_INTERVAL = 1.0
 #: Claims' worth of a queue's own starts a reservation makes ahead, for the runner's next
 #: claims, and the age past which they are given back unused.
-POOL_CLAIMS = 3
+POOL_CLAIMS = 8
 POOL_AGE = RATE_MARGIN / 4
 #: Seconds between a runner's deletions of a rate-limited queue's starts that no window
 #: counts any more.
