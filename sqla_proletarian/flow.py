@@ -31,7 +31,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -83,6 +83,7 @@ Slot = tuple[str, str, int, uuid.UUID]
 class Reserved:
     """Starts reserved for one claim of a queue, by slot key (``""``: the queue's own)."""
 
+    #: A start is its row's id: a row that counts n starts is there n times.
     by_key: dict[str, list[uuid.UUID]] = field(default_factory=dict)
     #: The queue's limits, read under its limit row's lock, and when they were set.
     limits: QueueLimits = field(default_factory=QueueLimits)
@@ -146,7 +147,8 @@ class FlowControl:
         begin(conn)
         try:
             if stale:
-                conn.execute(*sql.delete_starts(stale))
+                for statement in sql.give_back_starts(Counter(stale)):
+                    conn.execute(*statement)
             for queue in needed:
                 conn.execute(*sql.lock_limits(queue))
             # Read once the locks are held: a change committed meanwhile is seen.
@@ -219,6 +221,13 @@ class FlowControl:
             )
         return made
 
+    def give_back(self, unused: list[uuid.UUID]) -> None:
+        """Starts a claim reserved and did not use: given back by the runner's next
+        reservation, in its short transaction (never in a claim's, which may last as long as
+        its job, while other workers' reservations would wait for their rows)."""
+        with self._pool_lock:
+            self.stale.extend(unused)
+
     def drop_pool(self, queue: str) -> None:
         """The queue's limits changed: its pooled starts are given back at the next
         reservation."""
@@ -261,7 +270,7 @@ def _reserve(
     if limits.rate_limit is not None:
         count, seconds = limits.rate_limit
         since = _window_start(now, seconds)
-        counts: dict[str, int] = dict(conn.execute(*sql.starts_since(queue, [""], since)).all())
+        counts = _sums(conn.execute(*sql.starts_since(queue, [""], since)).all())
         left = count - counts.get("", 0)
         # Starts made ahead only while the window has room to spare (at least half of it
         # left after them): where the limit binds, no runner holds starts it may not use.
@@ -273,12 +282,22 @@ def _reserve(
     rows: list[dict[str, Any]] = []
     reserved = Reserved(at=now, limits=limits)
     for key, number in wanted.items():
-        starts = [uuid.uuid4() for _ in range(max(0, number))]
-        reserved.by_key[key] = starts
-        rows.extend({"id": s, "queue": queue, "slot_key": key, "started_at": now} for s in starts)
+        if number <= 0:
+            reserved.by_key[key] = []
+            continue
+        row_id = uuid.uuid4()
+        reserved.by_key[key] = [row_id] * number
+        rows.append(
+            {"id": row_id, "queue": queue, "slot_key": key, "started_at": now, "starts": number}
+        )
     if rows:
         conn.execute(*sql.insert_starts(rows))
     return reserved
+
+
+def _sums(rows: Sequence[Any]) -> dict[str, int]:
+    """Starts by key, as whole numbers (MySQL's SUM is a DECIMAL)."""
+    return {key: int(total or 0) for key, total in rows}
 
 
 def _key_starts(
@@ -299,7 +318,7 @@ def _key_starts(
         new = sorted({row[1] for row in rows if row[1] is not None and row[1] not in left})
         if new:
             since = _window_start(now, seconds)
-            counts: dict[str, int] = dict(conn.execute(*sql.starts_since(queue, new, since)).all())
+            counts = _sums(conn.execute(*sql.starts_since(queue, new, since)).all())
             for key in new:
                 left[key] = max(0, count - counts.get(key, 0))
                 if not left[key]:
@@ -532,7 +551,9 @@ class FlowClaim:
 
     def finish(self, token: uuid.UUID | None = None) -> None:
         """In the claim's transaction, before its commit: lease mode names each slot's holder
-        (the job and the claim's ``token``); the starts reserved and not used go back."""
+        (the job and the claim's ``token``); the starts reserved and not used go back with
+        the runner's next reservation (counted until then: a window under-used, never
+        over)."""
         if token is not None and self.taken:
             groups: dict[tuple[str, str], dict[int, uuid.UUID]] = {}
             for queue, key, n, job_id in self.taken:
@@ -541,4 +562,4 @@ class FlowClaim:
                 self.conn.execute(*sql.name_holders(queue, key, holders, token))
         unused = [start for reserved in self.reserved.values() for start in reserved.unused()]
         if unused:
-            self.conn.execute(*sql.delete_starts(unused))
+            self.control.give_back(unused)

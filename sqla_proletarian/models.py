@@ -406,7 +406,7 @@ class Slot(Base):
 
 
 class Start(Base):
-    """A job start counted by a rate limit (or reserved for a claim under way): ``slot_key``
+    """Job starts counted by a rate limit (or reserved for a claim under way): ``slot_key``
     ``""`` for the queue's ``rate_limit``, a ``concurrency_key`` for ``rate_limit_per_key``.
     Rows older than the queue's window are deleted by the claims."""
 
@@ -420,6 +420,8 @@ class Start(Base):
     queue: Mapped[str] = mapped_column(name_type())
     slot_key: Mapped[str] = mapped_column(name_type())
     started_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    #: How many starts the row counts: a claim's starts share one row.
+    starts: Mapped[int] = mapped_column(Integer())
 
 
 LIBRARY_TABLES = frozenset(metadata.tables)

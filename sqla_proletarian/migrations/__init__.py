@@ -467,6 +467,7 @@ def add_flow_control(op: Operations | ModuleType | None = None) -> None:
         sa.Column("queue", _name(dialect), nullable=False),
         sa.Column("slot_key", _name(dialect), nullable=False),
         sa.Column("started_at", _timestamp(), nullable=False),
+        sa.Column("starts", sa.Integer(), nullable=False),
         sa.PrimaryKeyConstraint("id", name=ops.f("pk_proletarian_start")),
         **_MYSQL_TABLE_OPTIONS,
     )

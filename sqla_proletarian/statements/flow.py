@@ -188,7 +188,7 @@ def insert_slots(rows: list[dict[str, Any]], dialect_name: str) -> Statement:
 
 _WINDOW = STARTS.c.started_at > bindparam("since", type_=STARTS.c.started_at.type)
 _STARTS_IN_WINDOW = (
-    select(STARTS.c.slot_key, func.count())
+    select(STARTS.c.slot_key, func.sum(STARTS.c.starts))
     .where(
         STARTS.c.queue == _QUEUE,
         STARTS.c.slot_key.in_(bindparam("keys", expanding=True)),
@@ -207,16 +207,29 @@ _INSERT_STARTS = insert(STARTS)
 
 
 def insert_starts(rows: list[dict[str, Any]]) -> Statement:
-    """Reserve starts (``id``, ``queue``, ``slot_key``, ``started_at``)."""
+    """Reserve starts: a row each (``id``, ``queue``, ``slot_key``, ``started_at``,
+    ``starts``, how many it counts)."""
     return _INSERT_STARTS, rows  # type: ignore[return-value]
 
 
-_DELETE_STARTS = delete(STARTS).where(STARTS.c.id.in_(bindparam("ids", expanding=True)))
+_UNUSE_STARTS = (
+    update(STARTS)
+    .where(STARTS.c.id == bindparam("s_id"))
+    .values(starts=STARTS.c.starts - bindparam("s_unused", type_=Integer()))
+)
+_DELETE_SPENT = delete(STARTS).where(
+    STARTS.c.id.in_(bindparam("ids", expanding=True)), STARTS.c.starts <= 0
+)
 
 
-def delete_starts(ids: list[uuid.UUID]) -> Statement:
-    """Give back reserved starts a claim did not use."""
-    return _DELETE_STARTS, {"ids": ids}
+def give_back_starts(unused: dict[uuid.UUID, int]) -> list[Statement]:
+    """Give back reserved starts no claim used (row id: how many): each row counts that many
+    fewer, and a row that counts none any more is deleted."""
+    rows = [{"s_id": row_id, "s_unused": n} for row_id, n in unused.items()]
+    return [
+        (_UNUSE_STARTS, rows),  # type: ignore[list-item]
+        (_DELETE_SPENT, {"ids": list(unused)}),
+    ]
 
 
 _PRUNE_STARTS = delete(STARTS).where(
