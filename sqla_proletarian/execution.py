@@ -346,7 +346,7 @@ class JobRunner(RunnerBase):
         done: list[tuple[_Claim, Outcome, Failure | None]] = []
         #: Set while a claim of several jobs writes their outcomes together.
         batch_finishing = False
-        reserved = self._flow.prepare(conn, self.now(), self._batch_size, self.dialect.begin_claim)
+        reserved = self._flow.prepare(conn, self.now, self._batch_size, self.dialect.begin_claim)
         self.dialect.begin_claim(conn)
         try:
             claims, cancelled = self._claim(connections, reserved)

@@ -119,11 +119,12 @@ class FlowControl:
     def prepare(
         self,
         conn: Connection,
-        now: datetime,
+        clock: Callable[[], datetime],
         batch: int,
         begin: Callable[[Connection], None],
     ) -> dict[str, Reserved]:
-        """Before a claim's transaction: the starts that rate-limited queues allow it. A
+        """Before a claim's transaction: the starts that rate-limited queues allow it (at
+        ``clock()``, read only if one is rated). A
         queue's own rate is served from the starts a recent reservation made ahead (the
         pool) while they are fresh; else, and for per-key rates, they are reserved in a
         short transaction of its own (committed, so every worker counts them)."""
@@ -134,6 +135,7 @@ class FlowControl:
         rated = sorted(q for q, (limits, _) in self.known.items() if _rated(limits))
         if not rated:
             return {}
+        now = clock()  # read only here: a claim of no rated queue reads the clock once
         reserved: dict[str, Reserved] = {}
         with self._pool_lock:
             for queue in rated:

@@ -507,7 +507,7 @@ class LeaseRunner(RunnerBase):
         ended: list[tuple[dict[str, Any], str, int, Exception | None]] = []
         runs: list[LeasedRun] = []
         batch = jobs or self._batch_size
-        reserved = self._flow.prepare(conn, now, batch, self.dialect.begin_claim)
+        reserved = self._flow.prepare(conn, lambda: now, batch, self.dialect.begin_claim)
         self.dialect.begin_claim(conn)
         try:
             flow = self._flow.begin(conn, reserved)

@@ -120,6 +120,10 @@ def test_a_busy_claim_of_one_priority_polls_in_one_statement(engine: sa.Engine) 
     assert sp.process_next_job(engine, _ok)
     sa.event.remove(engine, "before_cursor_execute", record)
     assert recorded.is_set()
+    # A runner's first claim also reads which of its queues have limits (once a runner).
+    looks = [s for s in sent if s.startswith("SELECT proletarian_queue_limit.queue, ")]
+    assert len(looks) == 1, sent
+    sent = [statement for statement in sent if statement not in looks]
     expected = 1 if sp.dialects.dialect_of(engine).poll_finds_priority else 2
     assert len(sent) == expected, sent
     assert all(statement.lstrip().startswith(("SELECT", "WITH")) for statement in sent), sent
