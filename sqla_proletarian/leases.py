@@ -1119,9 +1119,11 @@ class LeaseRunner(RunnerBase):
                 continue
             if not run.begin_ending():
                 continue
-            run.signal.request("timed-out")
             log_event(logging.WARNING, "job-timed-out", **self._fields(run.job), seconds=timeout)
+            # The outcome's writer first, then the handler's stop: a caller that returns once
+            # the handler does (process_next_job) finds the writer to wait for in close().
             self._spawn(functools.partial(self._end_timed_out, run, timeout))
+            run.signal.request("timed-out")
 
     def _end_timed_out(self, run: LeasedRun, timeout: float) -> None:
         """Fail a timed-out job (retry it per the retry strategy, or archive it as failed,
