@@ -221,7 +221,9 @@ def test_a_run_waiting_in_the_workers_queue_whose_cancel_the_heartbeat_saw_never
     try:
         with running(worker):
             assert wait_for(lambda: job_row(engine, second).lease_token is not None, timeout=20)
-            assert called == ["first"]
+            # The thread may take the first run from the worker's queue a moment after the
+            # second's lease commits (a loaded machine): its handler holds it from then on.
+            assert wait_for(lambda: called == ["first"], timeout=20), called
             assert cancel(engine, second) is True
             assert beats_after(engine, first)
             go.set()
