@@ -34,7 +34,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Engine
 
@@ -77,6 +77,7 @@ POOL_AGE = RATE_MARGIN / 4
 PRUNE_INTERVAL = 1.0
 
 Slot = tuple[str, str, int, uuid.UUID]
+T = TypeVar("T")
 
 
 @dataclass
@@ -146,46 +147,52 @@ class FlowControl:
         needed = [queue for queue in rated if queue not in reserved]
         if not needed and not stale:
             return reserved
-        begin(conn)
         try:
-            if stale:
-                for statement in sql.give_back_starts(Counter(stale)):
-                    conn.execute(*statement)
-            for queue in needed:
-                conn.execute(*sql.lock_limits(queue))
-            # Read once the locks are held: a change committed meanwhile is seen.
-            fresh = read_versions(conn, tuple(needed))
-            for queue in needed:
-                if queue not in fresh or not _rated(fresh[queue][0]):
-                    continue  # the claim reads the limits again and learns of the change
-                limits, version = fresh[queue]
-                prune = time.monotonic() - self.pruned.get(queue, 0.0) > PRUNE_INTERVAL
-                ahead = 0 if limits.rate_limit_per_key else batch * POOL_CLAIMS
-                made = _reserve(conn, queue, limits, now, batch, ahead, prune=prune)
-                made.version = version
-                reserved[queue] = self._to_pool(queue, made, batch)
-                if prune:
-                    self.pruned[queue] = time.monotonic()
-            conn.commit()
+            made = _committed(
+                conn, begin, lambda: self._reserve_in(conn, needed, stale, now, batch)
+            )
         except BaseException:
-            if conn.in_transaction() and not conn.invalidated:
-                conn.rollback()
             with self._pool_lock:
                 self.stale.extend(stale)
             raise
+        reserved.update(made)
         return reserved
+
+    def _reserve_in(
+        self,
+        conn: Connection,
+        needed: list[str],
+        stale: list[uuid.UUID],
+        now: datetime,
+        batch: int,
+    ) -> dict[str, Reserved]:
+        """In the reservation's transaction: give the stale starts back, take the needed
+        queues' limit rows in turn, and reserve; what was reserved, by queue."""
+        made: dict[str, Reserved] = {}
+        if stale:
+            for statement in sql.give_back_starts(Counter(stale)):
+                conn.execute(*statement)
+        for queue in needed:
+            conn.execute(*sql.lock_limits(queue))
+        # Read once the locks are held: a change committed meanwhile is seen.
+        fresh = read_versions(conn, tuple(needed))
+        for queue in needed:
+            if queue not in fresh or not _rated(fresh[queue][0]):
+                continue  # the claim reads the limits again and learns of the change
+            limits, version = fresh[queue]
+            prune = time.monotonic() - self.pruned.get(queue, 0.0) > PRUNE_INTERVAL
+            ahead = 0 if limits.rate_limit_per_key else batch * POOL_CLAIMS
+            reservation = _reserve(conn, queue, limits, now, batch, ahead, prune=prune)
+            reservation.version = version
+            made[queue] = self._to_pool(queue, reservation, batch)
+            if prune:
+                self.pruned[queue] = time.monotonic()
+        return made
 
     def _first_look(self, conn: Connection, begin: Callable[[Connection], None]) -> None:
         """The runner's first claim reads which of its queues have limits, so that even a
         runner of one claim (``process_next_job``) claims a limited queue's jobs."""
-        begin(conn)
-        try:
-            self.known = read_versions(conn, self.queues)
-            conn.commit()
-        except BaseException:
-            if conn.in_transaction() and not conn.invalidated:
-                conn.rollback()
-            raise
+        self.known = _committed(conn, begin, lambda: read_versions(conn, self.queues))
         self.looked = time.monotonic()
 
     def _from_pool(self, queue: str, now: datetime, batch: int) -> Reserved | None:
@@ -241,6 +248,20 @@ class FlowControl:
     def begin(self, conn: Connection, reserved: dict[str, Reserved]) -> FlowClaim:
         """The flow control of one claim, in its transaction on ``conn``."""
         return FlowClaim(self, conn, reserved)
+
+
+def _committed(conn: Connection, begin: Callable[[Connection], None], work: Callable[[], T]) -> T:
+    """What ``work`` returned, its statements made on ``conn`` in a transaction of their own
+    (opened by ``begin``), committed; rolled back if it raised."""
+    begin(conn)
+    try:
+        result = work()
+        conn.commit()
+    except BaseException:
+        if conn.in_transaction() and not conn.invalidated:
+            conn.rollback()
+        raise
+    return result
 
 
 def _rated(limits: QueueLimits) -> bool:

@@ -218,16 +218,18 @@ def queue_limits(bind: Engine | Transaction) -> dict[str, QueueLimits]:
 
 def read_limits(conn: Connection, queues: tuple[str, ...] | None = None) -> dict[str, QueueLimits]:
     """The limits of ``queues`` (all queues: None) that have any, read on ``conn``."""
+    return {queue: limits for queue, (limits, _) in read_versions(conn, queues).items()}
+
+
+def read_versions(
+    conn: Connection, queues: tuple[str, ...] | None = None
+) -> dict[str, tuple[QueueLimits, Any]]:
+    """The limits of ``queues`` (all queues: None) that have any, each with the time they
+    were set (their version: a claim that finds it unchanged may use the limits it read
+    before)."""
     statement = select(LIMITS)
     if queues is not None:
         statement = statement.where(LIMITS.c.queue.in_(queues))
-    return {row.queue: limits_of(row) for row in conn.execute(statement)}
-
-
-def read_versions(conn: Connection, queues: tuple[str, ...]) -> dict[str, tuple[QueueLimits, Any]]:
-    """The limits of ``queues`` that have any, each with the time they were set (their
-    version: a claim that finds it unchanged may use the limits it read before)."""
-    statement = select(LIMITS).where(LIMITS.c.queue.in_(queues))
     return {row.queue: (limits_of(row), row.updated_at) for row in conn.execute(statement)}
 
 
