@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 from sqlalchemy import (
@@ -41,11 +41,13 @@ __all__ = [
     "DEFAULT_QUEUE",
     "ArchivedJob",
     "Base",
+    "Dependency",
     "Job",
     "JobHistory",
     "JobRun",
     "PausedQueue",
     "PeriodicSchedule",
+    "Progress",
     "QueueLimit",
     "Slot",
     "Start",
@@ -62,6 +64,10 @@ JOB_HISTORY_TABLE = "proletarian_job_history"
 QUEUE_LIMIT_TABLE = "proletarian_queue_limit"
 SLOT_TABLE = "proletarian_slot"
 START_TABLE = "proletarian_start"
+DEPENDENCY_TABLE = "proletarian_dependency"
+PROGRESS_TABLE = "proletarian_progress"
+#: A waiting job's ``process_at``: no poll reaches it; ``due_at`` keeps its own due time.
+WAITING_AT = datetime(9999, 1, 1, tzinfo=UTC)
 #: The unique index that lets one queued job hold a ``unique_key`` in its queue.
 UNIQUE_KEY_INDEX = "ix_proletarian_job_unique_key"
 
@@ -145,6 +151,9 @@ class Job(Base):
         Column("concurrency_key", name_type(), nullable=True),
         # How often a handler snoozed the job (``sp.Snooze``): runs that took no attempt.
         Column("snoozes", SmallInteger(), nullable=False, server_default=text("0")),
+        # How many of its dependencies (``depends_on``) have not ended yet: while it is above
+        # 0 the job waits, its ``process_at`` is ``WAITING_AT`` and ``due_at`` its own.
+        Column("waiting_on", Integer(), nullable=False, server_default=text("0")),
         Index("ix_proletarian_job_poll", "queue", "run_order", "process_at", "seq"),
         Index(UNIQUE_KEY_INDEX, "queue", "unique_key", unique=True),
         mysql_engine=_MYSQL_TABLE_ARGS["mysql_engine"],
@@ -164,6 +173,7 @@ class Job(Base):
             "cancel_requested_at",
             "uncharged_runs",
             "snoozes",
+            "waiting_on",
         ],
     }
 
@@ -293,6 +303,8 @@ class ArchivedJob(Base):
     concurrency_key: Mapped[str | None] = mapped_column(name_type(), nullable=True)
     #: How often its handler snoozed it (``sp.Snooze``).
     snoozes: Mapped[int] = mapped_column(SmallInteger(), server_default=text("0"))
+    #: What its handler returned, serialized (NULL: it returned None, or it did not succeed).
+    result: Mapped[str | None] = mapped_column(payload_type(), nullable=True)
 
     @property
     def priority(self) -> int:
@@ -422,6 +434,43 @@ class Start(Base):
     started_at: Mapped[datetime] = mapped_column(UTCDateTime())
     #: How many starts the row counts: a claim's starts share one row.
     starts: Mapped[int] = mapped_column(Integer())
+
+
+class Dependency(Base):
+    """An edge of a job graph: job ``job_id`` runs after job ``depends_on`` has ended.
+
+    ``kind`` is the dependent's ``on_dependency_failure`` (``"cancel"`` or ``"run"``), or
+    ``"wait"`` for a ``wait_for_result`` caller waiting on ``depends_on`` (``job_id`` is then
+    the wait's own id, not a job's). ``pending``: the end of ``depends_on`` is not yet counted
+    in the dependent's ``waiting_on``. Rows stay after they are settled (the dashboard draws
+    the graph from them) until ``prune_archive`` removes the dependent. See
+    ``sqla_proletarian.workflows``."""
+
+    __tablename__ = DEPENDENCY_TABLE
+    __table_args__ = (
+        Index("ix_proletarian_dependency_depends_on", "depends_on"),
+        Index("ix_proletarian_dependency_pending", "pending", "depends_on"),
+        _MYSQL_TABLE_ARGS,
+    )
+
+    job_id: Mapped[uuid.UUID] = mapped_column(Uuid(), primary_key=True)
+    depends_on: Mapped[uuid.UUID] = mapped_column(Uuid(), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(8))
+    pending: Mapped[bool] = mapped_column(Boolean())
+
+
+class Progress(Base):
+    """What a running job's handler last reported with ``set_progress``: a fraction from 0
+    to 1 and an optional message. Written on a connection of its own, never in the job's
+    transaction; ``prune_archive`` removes it with the job's archive row."""
+
+    __tablename__ = PROGRESS_TABLE
+    __table_args__ = (_MYSQL_TABLE_ARGS,)
+
+    job_id: Mapped[uuid.UUID] = mapped_column(Uuid(), primary_key=True)
+    progress: Mapped[float] = mapped_column(Float())
+    message: Mapped[str | None] = mapped_column(Text(), nullable=True)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
 
 
 LIBRARY_TABLES = frozenset(metadata.tables)

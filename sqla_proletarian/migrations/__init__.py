@@ -44,6 +44,7 @@ __all__ = [
     "add_run_owners",
     "add_trace_context",
     "add_uncharged_runs",
+    "add_workflows",
     "create_tables",
     "drop_archived_unique_key",
     "drop_enqueue_notifications",
@@ -55,6 +56,7 @@ __all__ = [
     "drop_tables",
     "drop_trace_context",
     "drop_uncharged_runs",
+    "drop_workflows",
     "include_object",
 ]
 
@@ -68,7 +70,7 @@ BRANCH_LABEL = "sqla_proletarian"
 INITIAL_REVISION = "sqlap_0001"
 
 #: The newest revision of the library's branch.
-HEAD_REVISION = "sqlap_0009"
+HEAD_REVISION = "sqlap_0010"
 
 #: Each library revision, oldest first, with the helpers that make its schema change (called
 #: in this order from ``upgrade()``) and those that undo it (from ``downgrade()``): what
@@ -87,6 +89,7 @@ REVISION_HELPERS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("sqlap_0007", ("add_uncharged_runs",), ("drop_uncharged_runs",)),
     ("sqlap_0008", ("add_job_history",), ("drop_job_history",)),
     ("sqlap_0009", ("add_flow_control",), ("drop_flow_control",)),
+    ("sqlap_0010", ("add_workflows",), ("drop_workflows",)),
 )
 
 # Table names are spelled out (not imported from the models) so the revision stays as written.
@@ -100,6 +103,8 @@ _JOB_HISTORY = "proletarian_job_history"
 _QUEUE_LIMIT = "proletarian_queue_limit"
 _SLOT = "proletarian_slot"
 _START = "proletarian_start"
+_DEPENDENCY = "proletarian_dependency"
+_PROGRESS = "proletarian_progress"
 _POLL_INDEX = "ix_proletarian_job_poll"
 _UNIQUE_KEY_INDEX = "ix_proletarian_job_unique_key"
 
@@ -485,3 +490,59 @@ def drop_flow_control(op: Operations | ModuleType | None = None) -> None:
     for table in (_ARCHIVED_JOB, _JOB):
         ops.drop_column(table, "snoozes")
         ops.drop_column(table, "concurrency_key")
+
+
+def add_workflows(op: Operations | ModuleType | None = None) -> None:
+    """Workflows, results and progress (``sqlap_0010``): ``waiting_on`` on the job table (0
+    for the rows there: none waits), ``result`` on the archive (NULL), and two tables, empty
+    at first: ``proletarian_dependency`` (a job's dependencies, and the waits for a job's
+    end) and ``proletarian_progress`` (what a running handler reported)."""
+    ops = _operations(op)
+    ops.add_column(
+        _JOB, sa.Column("waiting_on", sa.Integer(), server_default=sa.text("0"), nullable=False)
+    )
+    ops.add_column(_ARCHIVED_JOB, sa.Column("result", _payload(), nullable=True))
+    ops.create_table(
+        _DEPENDENCY,
+        sa.Column("job_id", sa.Uuid(), nullable=False),
+        sa.Column("depends_on", sa.Uuid(), nullable=False),
+        sa.Column("kind", sa.String(8), nullable=False),
+        sa.Column("pending", sa.Boolean(), nullable=False),
+        sa.PrimaryKeyConstraint("job_id", "depends_on", name=ops.f("pk_proletarian_dependency")),
+        **_MYSQL_TABLE_OPTIONS,
+    )
+    ops.create_index(ops.f("ix_proletarian_dependency_depends_on"), _DEPENDENCY, ["depends_on"])
+    ops.create_index(
+        ops.f("ix_proletarian_dependency_pending"), _DEPENDENCY, ["pending", "depends_on"]
+    )
+    ops.create_table(
+        _PROGRESS,
+        sa.Column("job_id", sa.Uuid(), nullable=False),
+        sa.Column("progress", sa.Float(), nullable=False),
+        sa.Column("message", sa.Text(), nullable=True),
+        sa.Column("updated_at", _timestamp(), nullable=False),
+        sa.PrimaryKeyConstraint("job_id", name=ops.f("pk_proletarian_progress")),
+        **_MYSQL_TABLE_OPTIONS,
+    )
+
+
+def drop_workflows(op: Operations | ModuleType | None = None) -> None:
+    """Undo :func:`add_workflows`: dependencies, results and progress are gone; a job that
+    waited on others is due at its own time."""
+    ops = _operations(op)
+    job = sa.table(
+        _JOB,
+        sa.column("process_at"),
+        sa.column("due_at"),
+        sa.column("waiting_on"),
+        sa.column("lease_token"),
+    )
+    ops.execute(
+        job.update()
+        .where(job.c.waiting_on > 0, job.c.lease_token.is_(None), job.c.due_at.is_not(None))
+        .values(process_at=job.c.due_at, due_at=None)
+    )
+    for table in (_PROGRESS, _DEPENDENCY):
+        ops.drop_table(table)
+    ops.drop_column(_ARCHIVED_JOB, "result")
+    ops.drop_column(_JOB, "waiting_on")

@@ -235,9 +235,11 @@ def test_a_later_release_gets_a_revision_with_only_the_library_revisions_the_his
         "add_uncharged_runs()  # sqlap_0007",
         "add_job_history()  # sqlap_0008",
         "add_flow_control()  # sqlap_0009",
+        "add_workflows()  # sqlap_0010",
     ]
     assert (
-        "    drop_flow_control()\n    drop_job_history()\n    drop_uncharged_runs()\n"
+        "    drop_workflows()\n    drop_flow_control()\n    drop_job_history()\n"
+        "    drop_uncharged_runs()\n"
         "    drop_leases()\n" in text
     )
     script = ScriptDirectory(str(tmp_path), version_locations=[str(folder)])

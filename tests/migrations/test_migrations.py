@@ -282,6 +282,7 @@ from sqla_proletarian.migrations import (
     add_run_owners,
     add_trace_context,
     add_uncharged_runs,
+    add_workflows,
     create_tables,
     drop_archived_unique_key,
     drop_enqueue_notifications,
@@ -293,6 +294,7 @@ from sqla_proletarian.migrations import (
     drop_tables,
     drop_trace_context,
     drop_uncharged_runs,
+    drop_workflows,
 )
 
 revision = "user_0001"
@@ -343,12 +345,14 @@ def user_project(root: Path, *, calls_helpers: bool, library_location: bool) -> 
         upgrade_extra=(
             "create_tables(op); add_run_owners(op); add_enqueue_notifications(op); "
             "add_trace_context(op); add_job_control(op); add_archived_unique_key(op); "
-            "add_leases(op); add_uncharged_runs(op); add_job_history(op); add_flow_control(op)"
+            "add_leases(op); add_uncharged_runs(op); add_job_history(op); add_flow_control(op); "
+            "add_workflows(op)"
             if calls_helpers
             else "pass"
         ),
         downgrade_extra=(
-            "drop_flow_control(op); drop_job_history(op); drop_uncharged_runs(op); "
+            "drop_workflows(op); drop_flow_control(op); drop_job_history(op); "
+            "drop_uncharged_runs(op); "
             "drop_leases(op); "
             "drop_archived_unique_key(op); "
             "drop_job_control(op); "
