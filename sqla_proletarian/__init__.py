@@ -9,12 +9,17 @@ from sqla_proletarian.errors import (
     InvalidJobError,
     InvalidRetryStrategyError,
     JobCrashedError,
+    JobFailedError,
+    JobNotFoundError,
     JobTimeoutError,
     NoCurrentJobError,
     NotATransactionError,
     PayloadDeserializationError,
     PayloadSerializationError,
     ProletarianError,
+    ResultNotReady,
+    ResultSerializationError,
+    ResultTooLargeError,
     Snooze,
     UnknownJobTypeError,
 )
@@ -57,6 +62,7 @@ from sqla_proletarian.models import (
 )
 from sqla_proletarian.options import WorkerOptions
 from sqla_proletarian.periodic import PeriodicJob
+from sqla_proletarian.results import get_result, wait_for_result, wait_for_result_async
 from sqla_proletarian.retry import RetryStrategy
 from sqla_proletarian.serialization import JsonSerializer, Serializer
 from sqla_proletarian.tasks import Task
@@ -105,9 +111,11 @@ __all__ = [
     "JobContext",
     "JobCrashedError",
     "JobDetail",
+    "JobFailedError",
     "JobHandlers",
     "JobHistory",
     "JobInfo",
+    "JobNotFoundError",
     "JobPage",
     "JobRun",
     "JobTimeoutError",
@@ -121,6 +129,9 @@ __all__ = [
     "QueueLimits",
     "QueueStatus",
     "QueueWorker",
+    "ResultNotReady",
+    "ResultSerializationError",
+    "ResultTooLargeError",
     "RetryReport",
     "RetryStrategy",
     "Serializer",
@@ -140,6 +151,7 @@ __all__ = [
     "failed_jobs",
     "finished_per_minute",
     "get_job",
+    "get_result",
     "include_object",
     "list_jobs",
     "metadata",
@@ -156,4 +168,6 @@ __all__ = [
     "utc_now",
     "uuid4",
     "uuid7",
+    "wait_for_result",
+    "wait_for_result_async",
 ]

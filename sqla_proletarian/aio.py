@@ -50,6 +50,7 @@ from sqla_proletarian.logs import log_event
 from sqla_proletarian.options import (
     DEFAULT_AWAIT_TERMINATION_TIMEOUT,
     DEFAULT_BATCH_SIZE,
+    DEFAULT_MAX_RESULT_BYTES,
     DEFAULT_MAX_UNCLEAN_ENDS,
     DEFAULT_POLLING_INTERVAL,
     DEFAULT_RECONNECT_GRACE,
@@ -341,12 +342,16 @@ class AsyncQueueWorker:
         callbacks see an AsyncJobContext, and what they return is awaited."""
         handler = settings.handler
 
+        # A coroutine cannot make the runner's reads: a job's dependency_results are read
+        # here, in the runner's greenlet, before its handler is called.
         def run_advanced(job: JobContext) -> Any:
+            job.dependency_results  # noqa: B018
             context = self._context(job)
             return self._call(lambda: handler(context), lambda: context, job.cancel_requested)
 
         def run_default(job_type: str, payload: Any) -> Any:
             made = running_job_maker()  # the runner's JobContext, made on first use
+            made().dependency_results  # noqa: B018
 
             @functools.cache
             def context_of() -> AsyncJobContext:
@@ -424,6 +429,7 @@ class AsyncQueueWorker:
         values = {f.name: getattr(job, f.name) for f in dataclasses.fields(job)}
         values["session"] = proxy
         values["cancel_requested"] = _async_event(job.cancel_requested)
+        values["_read_dependencies"] = lambda: job.dependency_results  # read already
         context = session.info[_ASYNC_CONTEXT] = AsyncJobContext(**values)
         return context
 
@@ -737,6 +743,7 @@ def create_async_queue_worker(
     lease_seconds: float | None = None,
     heartbeat_interval: float | None = None,
     job_timeout: float | None = None,
+    max_result_bytes: int | None = DEFAULT_MAX_RESULT_BYTES,
     worker_threads: None = None,
     install_signal_handlers: None = None,
 ) -> AsyncQueueWorker:

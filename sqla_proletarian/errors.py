@@ -187,6 +187,80 @@ def _snooze_seconds(seconds: object) -> float:
     )
 
 
+class ResultSerializationError(ProletarianError):
+    """A handler's return value cannot be stored as its job's result: the job fails as if
+    the handler had raised this (retried per the retry strategy; in transaction mode what
+    the handler wrote rolls back)."""
+
+    def __init__(self, job_id: object, message: str) -> None:
+        self.job_id = job_id
+        super().__init__(
+            f"the return value of job {job_id}'s handler cannot be stored as its result: "
+            f"{message}. Return what the worker's serializer can write (JSON by default), or "
+            "None to store nothing"
+        )
+
+
+class ResultTooLargeError(ResultSerializationError):
+    """A handler's return value, serialized, is longer than the worker's
+    ``max_result_bytes``."""
+
+    def __init__(self, job_id: object, size: int, limit: int) -> None:
+        self.size = size
+        self.limit = limit
+        ProletarianError.__init__(
+            self,
+            f"the return value of job {job_id}'s handler is {size:,} bytes serialized, more "
+            f"than the worker's max_result_bytes ({limit:,}): store large data in a table "
+            "or a file of your own and return its key, or raise max_result_bytes (the "
+            "worker option, or --max-result-bytes)",
+        )
+        self.job_id = job_id
+
+
+class JobNotFoundError(ProletarianError, LookupError):
+    """No job of that id is queued or archived (never enqueued, or pruned from the
+    archive)."""
+
+    def __init__(self, job_id: object) -> None:
+        self.job_id = job_id
+        super().__init__(
+            f"no job {job_id} is queued or archived: check the id (the one enqueue "
+            "returned); an archived job is gone once prune_archive removed it"
+        )
+
+
+class ResultNotReady(ProletarianError):
+    """``get_result``: the job has not ended yet (it is queued, waiting for its
+    dependencies, or running); ``status`` says which. ``wait_for_result`` waits for it."""
+
+    def __init__(self, job_id: object, status: str) -> None:
+        self.job_id = job_id
+        self.status = status
+        super().__init__(
+            f"job {job_id} has no result yet: it is {status}. Ask again once it has ended, "
+            "or wait for it with wait_for_result(engine, job_id, timeout=...)"
+        )
+
+
+class JobFailedError(ProletarianError):
+    """The job ended without a result: ``status`` is the archive's (``"failure"`` or
+    ``"cancelled"``), ``error`` its error text (the traceback of the last run; for a
+    cancel, None or why it was cancelled)."""
+
+    def __init__(self, job_id: object, status: str, error: str | None) -> None:
+        self.job_id = job_id
+        self.status = status
+        self.error = error
+        ended = "failed" if status == "failure" else status
+        summary = (error or "").strip().splitlines()
+        reason = f": {summary[0]}" if summary else ""
+        super().__init__(
+            f"job {job_id} {ended}{reason}; it has no result (`sqla-proletarian failed` "
+            "shows its error, retry_failed puts a failed job back in its queue)"
+        )
+
+
 class JobTransactionLostError(ProletarianError):
     """The job's transaction ended before its outcome was recorded (the server rolled it back
     or the connection was lost); nothing was recorded and the job runs again."""

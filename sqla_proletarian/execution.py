@@ -98,6 +98,8 @@ class _Claim:
     phase: Literal["claimed", "running", "committing"] = "claimed"
     #: Succeeded, and archived with the claim's other successes when it finishes.
     deferred: bool = False
+    #: The handler's serialized result (None: it returned None).
+    result: str | None = None
     #: When the claim was made, then when its handler started (time.monotonic()).
     started: float = field(default_factory=time.monotonic)
     #: The worker's clock when the job was claimed (for its queue lag).
@@ -439,6 +441,11 @@ class JobRunner(RunnerBase):
                 f"{len(succeeded) - removed} of the claim's {len(succeeded)} job rows were "
                 "gone when their success was recorded: the claim lost its row locks"
             )
+        results = {
+            c.job["job_id"]: c.result for c, _, _ in done if c.deferred and c.result is not None
+        }
+        if results:
+            direct.execute(conn, *sql.set_results(results))
 
     def _claim(
         self, connections: WorkerConnections, reserved: dict[str, Reserved]
@@ -717,7 +724,7 @@ class JobRunner(RunnerBase):
             @functools.cache
             def context_of() -> JobContext:
                 on_first_use = SessionOnFirstUse(session.made)
-                return self._context(job, payload, cast(Session, on_first_use), signal)
+                return self._context(job, payload, cast(Session, on_first_use), signal, conn)
 
             context = None if plain else context_of()
             limit = self.settings.max_unclean_ends
@@ -744,9 +751,10 @@ class JobRunner(RunnerBase):
                     raise decode_error
                 with session.handling():
                     if context is None:
-                        self._call_plain(job["job_type"], payload, signal, context_of)
+                        call = (job["job_type"], payload, signal, context_of, job["job_id"])
+                        claim.result = self._call_plain(*call)
                     else:
-                        self._call_handler(context)
+                        claim.result = self._call_handler(context)
                 session.finish()
             except JobTransactionLostError:
                 raise
@@ -769,7 +777,9 @@ class JobRunner(RunnerBase):
                 telemetry.job_error(exc)
                 return self._after_exception(conn, claim, context or context_of(), exc, runs)
             if claim.past.unclean_ends:
-                self._archive(conn, job, "success", runs, None, with_runs=False)
+                self._archive(
+                    conn, job, "success", runs, None, with_runs=False, result=claim.result
+                )
             else:
                 claim.deferred = True
             return "succeeded", None
@@ -828,10 +838,12 @@ class JobRunner(RunnerBase):
         error: str | None,
         *,
         with_runs: bool = True,
+        result: str | None = None,
     ) -> None:
-        """Archive the job with its outcome and remove it from the queue, with its run records
-        (also leftovers of runs recorded while crash accounting was on) unless the claim
-        removes them when it finishes (``with_runs=False``)."""
+        """Archive the job with its outcome (and its handler's serialized ``result``) and
+        remove it from the queue, with its run records (also leftovers of runs recorded while
+        crash accounting was on) unless the claim removes them when it finishes
+        (``with_runs=False``)."""
         direct.execute(
             conn,
             *sql.archive(
@@ -841,6 +853,7 @@ class JobRunner(RunnerBase):
                 finished_at=self.now(),
                 error=error,
                 upsert=self.dialect.archive_upsert,
+                result=result,
             ),
         )
         if with_runs and self.dialect.deletes_runs_with_job:

@@ -209,6 +209,22 @@ class _ClaimedJob:
     enqueued_at: datetime
     process_at: datetime
 
+    @property
+    def dependency_results(self) -> dict[uuid.UUID, Any]:
+        """The results of the job's dependencies (``depends_on``), by their job ids: what
+        each one's handler returned, or None when it returned None or did not succeed (a
+        dependent of ``on_dependency_failure="run"``). Read on first access."""
+        known = self.__dict__.get("_dependency_results")
+        if known is None:
+            read = getattr(self, "_read_dependencies", None)
+            known = read() if read is not None else {}
+            object.__setattr__(self, "_dependency_results", known)
+        return dict(known)
+
+
+#: Reads a running job's dependencies' results (see ``_ClaimedJob.dependency_results``).
+DependencyReader = Callable[[], dict[uuid.UUID, Any]]
+
 
 class SessionOnFirstUse:
     """Stands for ``JobContext.session`` until it is first read: a handler that never reads
@@ -234,6 +250,7 @@ class JobContext(_ClaimedJob):
 
     session: Session = field(repr=False, compare=False)
     cancel_requested: threading.Event = field(default_factory=StopSignal, repr=False, compare=False)
+    _read_dependencies: DependencyReader | None = field(default=None, repr=False, compare=False)
 
     def __getattribute__(self, name: str) -> Any:
         value = object.__getattribute__(self, name)
@@ -256,6 +273,7 @@ class AsyncJobContext(_ClaimedJob):
     cancel_requested: asyncio.Event = field(
         default_factory=asyncio.Event, repr=False, compare=False
     )
+    _read_dependencies: DependencyReader | None = field(default=None, repr=False, compare=False)
 
 
 F = TypeVar("F", bound=Callable[..., Any])

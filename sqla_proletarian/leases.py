@@ -239,6 +239,8 @@ class LeasedRun:
     ran: bool = False
     #: The job's session while its handler runs.
     session: LeaseSession | None = None
+    #: The handler's serialized result (None: it returned None).
+    result: str | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -611,7 +613,7 @@ class LeaseRunner(RunnerBase):
             if decode_error is not None:
                 raise decode_error
             with session.handling():
-                self._call_handler(context)
+                run.result = self._call_handler(context)
             return None
         except Exception as exc:
             return exc
@@ -752,6 +754,7 @@ class LeaseRunner(RunnerBase):
                         finished_at=now,
                         error=None,
                         upsert=self.dialect.archive_upsert,
+                        result=None if run.job_id in cancelled else run.result,
                     )
                     for run in held
                 ]
@@ -839,6 +842,7 @@ class LeaseRunner(RunnerBase):
         the run's token (and, but for a cancel, has no cancel request), and archived."""
         attempts = run.job["attempts"] + 1
         cancelling = status == "cancelled"
+        result = run.result if status == "success" else None
 
         def remove_and_archive(conn: Connection) -> int:
             if self.dialect.deletes_runs_with_job and not run.had_runs:
@@ -851,12 +855,15 @@ class LeaseRunner(RunnerBase):
                     finished_at=self.now(),
                     error=describe(error) if error is not None else None,
                     upsert=self.dialect.archive_upsert,
+                    result=result,
                 )
                 return int(conn.execute(*statement).rowcount)
             statement = sql.end_lease(run.job_id, run.token, cancelling=cancelling)
             removed = conn.execute(*statement).rowcount
             if removed:
-                self._archive(conn, run.job, status, attempts, error, with_runs=run.had_runs)
+                self._archive(
+                    conn, run.job, status, attempts, error, with_runs=run.had_runs, result=result
+                )
             return int(removed)
 
         return remove_and_archive
@@ -1026,6 +1033,7 @@ class LeaseRunner(RunnerBase):
         error: Exception | None,
         *,
         with_runs: bool,
+        result: str | None = None,
     ) -> None:
         conn.execute(
             *sql.archive(
@@ -1035,6 +1043,7 @@ class LeaseRunner(RunnerBase):
                 finished_at=self.now(),
                 error=describe(error) if error is not None else None,
                 upsert=self.dialect.archive_upsert,
+                result=result,
             )
         )
         if with_runs:

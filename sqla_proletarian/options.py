@@ -12,6 +12,8 @@ from sqla_proletarian.errors import ConfigurationError
 from sqla_proletarian.leases import check_lease_settings, check_task_timeouts
 from sqla_proletarian.models import DEFAULT_QUEUE
 from sqla_proletarian.periodic import PeriodicJob, check_periodic_jobs
+from sqla_proletarian.results import DEFAULT_MAX_RESULT_BYTES as DEFAULT_MAX_RESULT_BYTES
+from sqla_proletarian.results import check_max_result_bytes
 from sqla_proletarian.running import FailedJobHandler, RetryStrategyFn, RunSettings
 from sqla_proletarian.serialization import DEFAULT_SERIALIZER, Serializer
 from sqla_proletarian.values import Clock, check_name, utc_now
@@ -67,6 +69,7 @@ class WorkerOptions:
     lease_seconds: float | None = None
     heartbeat_interval: float | None = None
     job_timeout: float | None = None
+    max_result_bytes: int | None = DEFAULT_MAX_RESULT_BYTES
 
     def __post_init__(self) -> None:
         queues = check_queues(self.queues) if self.queues != () else (self.queue,)
@@ -103,6 +106,7 @@ class WorkerOptions:
                 "holds its jobs' row locks until its last handler has run)"
             )
         check_lease_settings(self.lease_seconds, self.heartbeat_interval, self.job_timeout)
+        check_max_result_bytes(self.max_result_bytes)
         if self.worker_id is None:
             object.__setattr__(self, "worker_id", f"proletarian[{self.queue_names}]")
         object.__setattr__(self, "periodic_jobs", check_periodic_jobs(self.periodic_jobs))
@@ -156,6 +160,7 @@ class WorkerOptions:
             lease_seconds=self.lease_seconds,
             heartbeat_interval=self.heartbeat_interval,
             job_timeout=self.job_timeout,
+            max_result_bytes=self.max_result_bytes,
             **tasks,
         )
 

@@ -26,7 +26,7 @@ from typing import Any, Literal, TypeVar
 from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session
 
-from sqla_proletarian import direct, ledger, turns
+from sqla_proletarian import direct, ledger, results, turns
 from sqla_proletarian import statements as sql
 from sqla_proletarian.dialects import PriorityScan, dialect_of
 from sqla_proletarian.errors import (
@@ -87,6 +87,8 @@ class RunSettings:
     task_retries: dict[str, RetryStrategyFn] = field(default_factory=dict)
     #: Lease mode: the timeouts of job types whose tasks have their own.
     task_timeouts: dict[str, float] = field(default_factory=dict)
+    #: The longest result stored, in bytes of its serialized text (None: no limit).
+    max_result_bytes: int | None = results.DEFAULT_MAX_RESULT_BYTES
 
     @classmethod
     def task_settings(cls, handler: Callable[..., Any]) -> dict[str, Any]:
@@ -278,7 +280,18 @@ class RunnerBase:
         payload: Any,
         session: Session,
         cancel_requested: StopSignal | None = None,
+        read_on: Connection | None = None,
     ) -> JobContext:
+        """The job's context; its ``dependency_results`` are read on first access, on
+        ``read_on`` (the job's own connection) or else on a connection of the engine's."""
+
+        def read_dependencies() -> dict[Any, Any]:
+            serializer, job_id = self.settings.serializer, job["job_id"]
+            if read_on is not None:
+                return results.read_dependency_results(read_on, job_id, serializer)
+            with self.engine.connect() as conn:
+                return results.read_dependency_results(conn, job_id, serializer)
+
         return JobContext(
             job_id=job["job_id"],
             queue=job["queue"],
@@ -290,14 +303,19 @@ class RunnerBase:
             process_at=job.get("due_at") or job["process_at"],
             session=session,
             cancel_requested=cancel_requested or StopSignal(),
+            _read_dependencies=read_dependencies,
         )
 
-    def _call_handler(self, context: JobContext) -> None:
+    def _call_handler(self, context: JobContext) -> str | None:
+        """Call the handler; its return value as the archive stores it (see ``_stored``)."""
         if self.settings.handler_mode != "advanced":
-            self._call_plain(
-                context.job_type, context.payload, context.cancel_requested, lambda: context
+            return self._call_plain(
+                context.job_type,
+                context.payload,
+                context.cancel_requested,
+                lambda: context,
+                context.job_id,
             )
-            return
         running = RUNNING_SIGNAL.set(context.cancel_requested)
         try:
             with running_job(lambda: context):
@@ -305,6 +323,7 @@ class RunnerBase:
         finally:
             RUNNING_SIGNAL.reset(running)
         _check_result(result)
+        return self._stored(context.job_id, result)
 
     def _call_plain(
         self,
@@ -312,9 +331,10 @@ class RunnerBase:
         payload: Any,
         signal: threading.Event,
         context_of: Callable[[], JobContext],
-    ) -> None:
+        job_id: Any = None,
+    ) -> str | None:
         """Call a handler of ``(job_type, payload)``; ``current_job()`` makes its context
-        with ``context_of``."""
+        with ``context_of``. Its return value as the archive stores it (see ``_stored``)."""
         running = RUNNING_SIGNAL.set(signal)
         try:
             with running_job(context_of):
@@ -322,6 +342,15 @@ class RunnerBase:
         finally:
             RUNNING_SIGNAL.reset(running)
         _check_result(result)
+        return self._stored(job_id, result)
+
+    def _stored(self, job_id: Any, value: Any) -> str | None:
+        """A handler's return value serialized for the archive (None stores nothing); a
+        value that cannot be stored raises, failing the job as the handler's own error."""
+        if value is None:
+            return None
+        limit = self.settings.max_result_bytes
+        return results.stored_result(job_id, value, self.settings.serializer, limit)
 
     def _started_late(self, job: dict[str, Any]) -> None:
         """A rate-limited run given back unrun: its handler would have started too late."""

@@ -28,6 +28,7 @@ from sqla_proletarian.logs import log_event
 from sqla_proletarian.options import (
     DEFAULT_AWAIT_TERMINATION_TIMEOUT,
     DEFAULT_BATCH_SIZE,
+    DEFAULT_MAX_RESULT_BYTES,
     DEFAULT_MAX_UNCLEAN_ENDS,
     DEFAULT_POLLING_INTERVAL,
     DEFAULT_RECONNECT_GRACE,
@@ -56,6 +57,7 @@ from sqla_proletarian.values import DEFAULT_QUEUE, Clock, utc_now
 __all__ = [
     "DEFAULT_AWAIT_TERMINATION_TIMEOUT",
     "DEFAULT_BATCH_SIZE",
+    "DEFAULT_MAX_RESULT_BYTES",
     "DEFAULT_MAX_UNCLEAN_ENDS",
     "DEFAULT_POLLING_INTERVAL",
     "DEFAULT_RECONNECT_GRACE",
@@ -643,6 +645,7 @@ def create_queue_worker(
     lease_seconds: float | None = None,
     heartbeat_interval: float | None = None,
     job_timeout: float | None = None,
+    max_result_bytes: int | None = DEFAULT_MAX_RESULT_BYTES,
 ) -> QueueWorker:
     """A QueueWorker for ``engine`` that runs ``handler``; call ``.start()`` to begin.
 
@@ -673,7 +676,9 @@ def create_queue_worker(
     open, for long jobs; see docs/modes.md), ``heartbeat_interval`` (lease mode: seconds
     between renewals of the worker's leases, ``lease_seconds / 3``) and ``job_timeout``
     (lease mode: seconds after which a running job is failed with JobTimeoutError, retried
-    per the retry strategy, and its handler asked to stop through ``job.cancel_requested``).
+    per the retry strategy, and its handler asked to stop through ``job.cancel_requested``),
+    ``max_result_bytes`` (1 MiB: the longest handler result stored, serialized; a longer one
+    fails the job with ResultTooLargeError; None: no limit).
 
     A worker runs once: ``start()`` after a stop raises ConfigurationError. ``stop()`` starts
     no job from the moment it is called, may be called more than once and from any thread
@@ -694,7 +699,7 @@ def process_next_job(engine: Engine, handler: Callable[..., Any], **options: Any
     Takes the worker options that apply to one job (``queue`` or ``queues``, ``retry_strategy``,
     ``failed_job_handler``, ``handler_mode``, ``worker_id``, ``serializer``, ``clock``,
     ``max_unclean_ends``, ``reconnect_grace``, ``lease_seconds``, ``heartbeat_interval``,
-    ``job_timeout``). Database errors are raised to the caller.
+    ``job_timeout``, ``max_result_bytes``). Database errors are raised to the caller.
     """
     settings = WorkerOptions.from_kwargs(options).run_settings(handler)
     return new_runner(engine, settings).process_one()

@@ -34,6 +34,7 @@ from sqla_proletarian.exits import unfinished_text
 from sqla_proletarian.handlers import JobHandlers
 from sqla_proletarian.options import (
     DEFAULT_AWAIT_TERMINATION_TIMEOUT,
+    DEFAULT_MAX_RESULT_BYTES,
     DEFAULT_MAX_UNCLEAN_ENDS,
     DEFAULT_POLLING_INTERVAL,
     DEFAULT_RECONNECT_GRACE,
@@ -170,6 +171,7 @@ _FLAG_OPTIONS = {
     "job_timeout": "job_timeout",
     "shutdown_timeout": "await_termination_timeout",
     "max_unclean_ends": "max_unclean_ends",
+    "max_result_bytes": "max_result_bytes",
 }
 
 
@@ -360,6 +362,18 @@ def _unclean_ends(text: str) -> int | None:
         ) from None
 
 
+def _result_bytes(text: str) -> int | None:
+    """``--max-result-bytes``: a whole number of bytes, or ``off`` for no limit."""
+    if text.strip().lower() in ("off", "none"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give a whole number of bytes >= 1, or off for no limit"
+        ) from None
+
+
 #: The default of a worker flag: not given, so the module's worker_options (or the
 #: worker's own default) applies.
 _UNSET: Any = argparse.SUPPRESS
@@ -467,6 +481,14 @@ WORKER_ARGUMENTS = (
         metavar="N",
         help="a job whose runs ended unclean (its worker died) N times is failed for good; "
         f"off: crash accounting off ({DEFAULT_MAX_UNCLEAN_ENDS})",
+    ),
+    arg(
+        "--max-result-bytes",
+        type=_result_bytes,
+        default=_UNSET,
+        metavar="N",
+        help="a handler result longer than N bytes serialized fails its job "
+        f"(ResultTooLargeError); off: no limit ({DEFAULT_MAX_RESULT_BYTES})",
     ),
     arg(
         "--burst",

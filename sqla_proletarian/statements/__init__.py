@@ -12,7 +12,8 @@ the one named place of its queries:
 - ``leases``: lease mode's claims, renewals and fenced ends;
 - ``runs`` and ``owners``: the crash ledger's run records and their owners' locks;
 - ``periodic``, ``pausing``, ``housekeeping``: schedules, paused queues, pruning;
-- ``leased``, ``inspection``, ``dashboard``: reads of the queue from outside a worker.
+- ``leased``, ``inspection``, ``dashboard``: reads of the queue from outside a worker;
+- ``results``: jobs' results and the rows of those waiting for them.
 """
 
 from sqla_proletarian.statements.base import (
@@ -59,6 +60,7 @@ from sqla_proletarian.statements.finish import (
     end_claim_runs,
     end_runs,
     retry,
+    set_results,
     snooze,
 )
 from sqla_proletarian.statements.housekeeping import (
@@ -202,6 +204,7 @@ __all__ = [
     "retry_lease",
     "runs_of",
     "schedules",
+    "set_results",
     "snooze",
     "snooze_lease",
     "start_runs",

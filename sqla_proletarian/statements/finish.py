@@ -41,8 +41,9 @@ from sqla_proletarian.statements.base import (
 from sqla_proletarian.statements.enqueue import _KEPT_COLUMNS
 from sqla_proletarian.statements.runs import end_runs_by_id
 
-#: The archive keeps a job's enqueued columns, its snoozes and its outcome.
-_ARCHIVE_REPLACED = (*_KEPT_COLUMNS[1:], "snoozes", "status", "finished_at", "error")
+#: The archive keeps a job's enqueued columns, its snoozes and its outcome (its result too:
+#: a job archived again never keeps an earlier run's).
+_ARCHIVE_REPLACED = (*_KEPT_COLUMNS[1:], "snoozes", "status", "finished_at", "error", "result")
 
 
 @cache
@@ -58,8 +59,10 @@ def archive(
     finished_at: datetime,
     error: str | None,
     upsert: ArchiveUpsert = "none",
+    result: str | None = None,
 ) -> Statement:
-    """Copy a job into the archive with its outcome, replacing an earlier row of its id."""
+    """Copy a job into the archive with its outcome (and its handler's serialized
+    ``result``), replacing an earlier row of its id."""
     return _archive(upsert), {
         "job_id": job["job_id"],
         "queue": job["queue"],
@@ -76,6 +79,7 @@ def archive(
         "status": status,
         "finished_at": finished_at,
         "error": error,
+        "result": result,
     }
 
 
@@ -102,7 +106,7 @@ def delete_job_and_runs(job_id: uuid.UUID) -> Statement:
 
 # --- finishing a claim: every succeeded job archived in as few statements as possible ------
 
-_ARCHIVED_COLUMNS = [*_KEPT_COLUMNS, "snoozes", "status", "finished_at", "error"]
+_ARCHIVED_COLUMNS = [*_KEPT_COLUMNS, "snoozes", "status", "finished_at", "error", "result"]
 
 
 def _as_archived(columns: Any) -> Select[Any]:
@@ -122,6 +126,7 @@ def _as_archived(columns: Any) -> Select[Any]:
         literal("success", String(16)),
         bindparam("now", type_=ARCHIVE.c.finished_at.type),
         null(),
+        null(),  # results are written after (set_results)
     )
 
 
@@ -207,6 +212,19 @@ def archive_succeeded(
         (_delete_by(JOB, ("job_id",), "ids", force_index), {"ids": job_ids}),
         *end_claim_runs(ended, own_runs, force_index=force_index),
     ]
+
+
+_SET_RESULT = (
+    update(ARCHIVE)
+    .where(ARCHIVE.c.job_id == bindparam("id"))
+    .values(result=bindparam("result", type_=ARCHIVE.c.result.type))
+)
+
+
+def set_results(results: dict[uuid.UUID, str]) -> tuple[Executable, Any]:
+    """Store the serialized results of archived jobs (job id: result), one executemany:
+    a claim whose handlers all returned None runs none."""
+    return _SET_RESULT, [{"id": job_id, "result": text} for job_id, text in results.items()]
 
 
 #: An expired lease taken by a transaction-mode claim is an unclean end (see leases).

@@ -118,6 +118,7 @@ def _archive_lease(upsert: ArchiveUpsert, cancelling: bool) -> Executable:
         bindparam("status", type_=ARCHIVE.c.status.type),
         bindparam("now", type_=ARCHIVE.c.finished_at.type),
         bindparam("error", type_=ARCHIVE.c.error.type),
+        bindparam("result", type_=ARCHIVE.c.result.type),
     )
     statement = _upserted(upsert, rows).add_cte(done)
     return statement.execution_options(preserve_rowcount=True)
@@ -132,6 +133,7 @@ def archive_lease(
     finished_at: datetime,
     error: str | None,
     upsert: ArchiveUpsert,
+    result: str | None = None,
 ) -> Statement:
     """Remove a leased job where it still carries the run's token and archive it, in one
     statement (PostgreSQL's DML CTE); its rowcount is 0 when the run was fenced off, or when
@@ -143,6 +145,7 @@ def archive_lease(
         "status": status,
         "now": finished_at,
         "error": error,
+        "result": result,
     }
 
 
