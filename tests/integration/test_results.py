@@ -404,7 +404,7 @@ def test_wait_for_result_times_out_and_removes_its_wait_row(engine: sa.Engine) -
     row is left. An unknown id raises JobNotFoundError at once."""
     job_id = enqueue_committed(engine, "never")
     started = time.monotonic()
-    with pytest.raises(TimeoutError, match="did not end within 0.3 s"):
+    with pytest.raises(TimeoutError, match=r"did not end within 0\.3 s"):
         sp.wait_for_result(engine, job_id, timeout=0.3)
     took = time.monotonic() - started
     assert 0.3 <= took < 10
