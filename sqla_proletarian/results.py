@@ -27,8 +27,7 @@ from sqla_proletarian.errors import (
 )
 from sqla_proletarian.serialization import DEFAULT_SERIALIZER, Serializer
 from sqla_proletarian.statements import results as sql
-from sqla_proletarian.wakeups import AsyncListener, Listener
-from sqla_proletarian.workflows import DONE_CHANNEL
+from sqla_proletarian.wakeups import DONE_CHANNEL, AsyncListener, Listener
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine

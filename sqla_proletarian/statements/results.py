@@ -8,12 +8,10 @@ from typing import cast
 
 from sqlalchemy import Table, and_, bindparam, delete, exists, insert, select, true
 
-from sqla_proletarian.models import Dependency
+from sqla_proletarian.models import WAIT_KIND, Dependency
 from sqla_proletarian.statements.base import ARCHIVE, JOB, RUN, Statement
 
 DEPENDENCY = cast(Table, Dependency.__table__)
-#: The kind of a ``wait_for_result`` caller's row (``workflows.WAIT_KIND``).
-WAIT = "wait"
 
 _ENDED = select(ARCHIVE.c.status, ARCHIVE.c.error, ARCHIVE.c.result).where(
     ARCHIVE.c.job_id == bindparam("id")
@@ -26,10 +24,10 @@ _QUEUED = select(
 _OF_DEPENDENCIES = (
     select(DEPENDENCY.c.depends_on, ARCHIVE.c.status, ARCHIVE.c.result)
     .select_from(DEPENDENCY.outerjoin(ARCHIVE, ARCHIVE.c.job_id == DEPENDENCY.c.depends_on))
-    .where(DEPENDENCY.c.job_id == bindparam("id"), DEPENDENCY.c.kind != WAIT)
+    .where(DEPENDENCY.c.job_id == bindparam("id"), DEPENDENCY.c.kind != WAIT_KIND)
 )
 _WAIT = insert(DEPENDENCY).values(
-    job_id=bindparam("wait"), depends_on=bindparam("id"), kind=WAIT, pending=true()
+    job_id=bindparam("wait"), depends_on=bindparam("id"), kind=WAIT_KIND, pending=true()
 )
 _END_WAIT = delete(DEPENDENCY).where(
     and_(DEPENDENCY.c.job_id == bindparam("wait"), DEPENDENCY.c.depends_on == bindparam("id"))

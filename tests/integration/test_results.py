@@ -29,7 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
 import sqla_proletarian as sp
-from sqla_proletarian import workflows
+from sqla_proletarian import results, workflows
 from sqla_proletarian.models import WAITING_AT, Dependency
 from sqla_proletarian.testing import drain
 
@@ -422,6 +422,40 @@ def test_wait_for_result_of_an_ended_job_returns_at_once(engine: sa.Engine) -> N
     assert sp.wait_for_result(engine, job_id, timeout=0) == "done"
 
 
+@EVERY_MODE
+def test_on_postgresql_the_jobs_end_wakes_wait_for_result_at_once(
+    database: Any, engine: sa.Engine, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the safety net's re-check a minute apart, a waiter still returns as soon as the
+    worker ends the job: the end deletes the wait row and NOTIFYs its id. (Polling, on the
+    other backends, needs no notification.)"""
+    if database.backend != "postgresql":
+        pytest.skip("LISTEN/NOTIFY is PostgreSQL's")
+    monkeypatch.setattr(results, "RECHECK_INTERVAL", 60.0)
+    job_id = enqueue_committed(engine, "slow", 1)
+    release = threading.Event()
+
+    def handler(job_type: str, payload: Any) -> str:
+        release.wait(10)
+        return "woken"
+
+    with worker_of(database, handler, mode):
+        got: list[Any] = []
+        waiter = threading.Thread(
+            target=lambda: got.append(sp.wait_for_result(engine, job_id, timeout=40))
+        )
+        waiter.start()
+        assert wait_for(lambda: waits(engine) == 1)  # listening, and checked once
+        released = time.monotonic()
+        release.set()
+        waiter.join(50)
+        took = time.monotonic() - released
+    assert got == ["woken"]
+    # Without the notification it would have returned at its timeout's end (40 s).
+    assert took < 20
+    assert waits(engine) == 0
+
+
 # --- asyncio -------------------------------------------------------------------------------
 
 
@@ -488,6 +522,44 @@ def test_the_asyncio_worker_stores_an_async_handlers_result_and_wait_for_result_
     assert waits(engine) == 0
 
 
+@pytest.mark.parametrize("driver", ["asyncpg", "psycopg"])
+def test_on_postgresql_the_jobs_end_wakes_wait_for_result_async_at_once(
+    database: Any, engine: sa.Engine, driver: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """wait_for_result_async LISTENs through asyncpg and psycopg's async side: with the
+    re-check a minute apart, the job's end (run here by the threaded worker) still wakes it
+    at once, and its wait row is gone."""
+    if database.backend != "postgresql":
+        pytest.skip("LISTEN/NOTIFY is PostgreSQL's")
+    monkeypatch.setattr(results, "RECHECK_INTERVAL", 60.0)
+    job_id = enqueue_committed(engine, "slow")
+    release = threading.Event()
+
+    def handler(job_type: str, payload: Any) -> str:
+        release.wait(10)
+        return "woken"
+
+    async def main() -> tuple[Any, float]:
+        url = database.url.set(drivername=f"postgresql+{driver}")
+        aengine = create_async_engine(url)
+        try:
+            waiter = asyncio.create_task(sp.wait_for_result_async(aengine, job_id, timeout=40))
+            while await asyncio.to_thread(waits, engine) != 1:
+                await asyncio.sleep(0.02)
+            released = time.monotonic()
+            release.set()
+            got = await waiter
+            return got, time.monotonic() - released
+        finally:
+            await aengine.dispose()
+
+    with worker_of(database, handler, "transaction"):
+        got, took = asyncio.run(main())
+    assert got == "woken"
+    assert took < 20  # without the notification: the timeout's end, 40 s
+    assert waits(engine) == 0
+
+
 def test_wait_for_result_async_raises_the_failure_and_the_unknown(
     database: Any, engine: sa.Engine
 ) -> None:
@@ -509,26 +581,11 @@ def test_wait_for_result_async_raises_the_failure_and_the_unknown(
 # --- dependency_results ----------------------------------------------------------------------
 
 
-def depend(engine: sa.Engine, job_id: uuid.UUID, *dependencies: uuid.UUID) -> None:
-    """Record ``job_id``'s dependencies as enqueue's ``depends_on`` does (settled), and one
-    wait row on one of them, which is no dependency."""
+def add_wait(engine: sa.Engine, job_id: uuid.UUID) -> None:
+    """A wait_for_result caller's row on ``job_id``: no dependency of anything."""
     with engine.begin() as conn:
-        conn.execute(
-            sa.insert(WAITS),
-            [
-                {"job_id": job_id, "depends_on": dep, "kind": "cancel", "pending": False}
-                for dep in dependencies
-            ],
-        )
-        conn.execute(
-            sa.insert(WAITS),
-            {
-                "job_id": uuid.uuid4(),
-                "depends_on": dependencies[0],
-                "kind": "wait",
-                "pending": True,
-            },
-        )
+        wait = {"job_id": uuid.uuid4(), "depends_on": job_id, "kind": workflows.WAIT_KIND}
+        conn.execute(sa.insert(WAITS), {**wait, "pending": True})
 
 
 @EVERY_MODE
@@ -536,64 +593,72 @@ def depend(engine: sa.Engine, job_id: uuid.UUID, *dependencies: uuid.UUID) -> No
 def test_dependency_results_maps_each_dependency_to_its_result(
     engine: sa.Engine, mode: str, kind: str
 ) -> None:
-    """job.dependency_results: each dependency's id with its result, None for one that
+    """job.dependency_results of a job enqueued with depends_on (and
+    on_dependency_failure="run"): each dependency's id with its result, None for one that
     returned None or failed; read through the JobContext of an advanced handler, or
-    current_job() in a default-mode handler or a task. A job without dependencies sees {}."""
-    first = enqueue_committed(engine, "first", 1)
-    second = enqueue_committed(engine, "second", 2)
-    failing = enqueue_committed(engine, "failing", 3)
+    current_job() in a default-mode handler or a task. A waiter's row is no dependency, and
+    a job without dependencies sees {}."""
+    handlers = sp.JobHandlers()
+    seen: list[tuple[str, dict[uuid.UUID, Any]]] = []
+
+    @handlers.task
+    def downstream(name: str) -> None:
+        seen.append((name, sp.current_job().dependency_results))
 
     def upstream(job_type: str, payload: Any) -> Any:
         if job_type == "failing":
             raise RuntimeError("no")
+        if job_type == downstream.job_type:
+            name = payload["args"][0] if kind == "task" else payload
+            seen.append((name, sp.current_job().dependency_results))
+            return None
         return None if job_type == "second" else {"from": payload}
 
-    assert drain(engine, upstream) == 3
-    seen: list[dict[uuid.UUID, Any]] = []
-    handlers = sp.JobHandlers()
+    with Session(engine) as session:
+        first = sp.enqueue(session, "first", 1)
+        second = sp.enqueue(session, "second", 2)
+        failing = sp.enqueue(session, "failing", 3)
+        deps = {"depends_on": [first, second, failing], "on_dependency_failure": "run"}
+        payloads = ({"args": [n], "kwargs": {}} for n in ("joined", "alone"))
+        if kind != "task":
+            payloads = iter(("joined", "alone"))
+        joined = sp.enqueue(session, downstream.job_type, next(payloads), **deps)
+        sp.enqueue(session, downstream.job_type, next(payloads))
+        session.commit()
+    add_wait(engine, first)
 
-    @handlers.task
-    def downstream(n: int) -> None:
-        seen.append(sp.current_job().dependency_results)
+    def advanced(job: sp.JobContext) -> Any:
+        if job.job_type == downstream.job_type:
+            seen.append((job.payload, job.dependency_results))
+            return None
+        return upstream(job.job_type, job.payload)
 
-    if kind == "task":
-        with Session(engine) as session:
-            job_id = downstream.enqueue(session, 1)
-            lonely = downstream.enqueue(session, 2)
-            session.commit()
-        handler: Any = handlers
-    else:
-        job_id = enqueue_committed(engine, "downstream")
-        lonely = enqueue_committed(engine, "downstream")
-        if kind == "advanced":
-
-            def handler(job: sp.JobContext) -> None:
-                seen.append(job.dependency_results)
-        else:
-
-            def handler(job_type: str, payload: Any) -> None:
-                seen.append(sp.current_job().dependency_results)
-
-    depend(engine, job_id, first, second, failing)
+    for name in ("first", "second", "failing"):
+        handlers.register(name)(upstream)
+    handler: Any = {"advanced": advanced, "current_job": upstream, "task": handlers}[kind]
     handler_mode = "advanced" if kind == "advanced" else "default"
-    assert drain(engine, handler, handler_mode=handler_mode, **MODES[mode]) == 2
-    assert {first: {"from": 1}, second: None, failing: None} in seen
-    assert {} in seen
-    assert lonely != job_id
+    assert drain(engine, handler, handler_mode=handler_mode, **MODES[mode]) == 5
+    assert dict(seen) == {"joined": {first: {"from": 1}, second: None, failing: None}, "alone": {}}
+    assert result_of(engine, joined) is None
 
 
 @EVERY_MODE
 def test_the_asyncio_workers_job_reads_its_dependency_results(
     database: Any, engine: sa.Engine, mode: str
 ) -> None:
-    first = enqueue_committed(engine, "first", 1)
-    sp.process_next_job(engine, lambda t, p: {"from": p})
-    job_id = enqueue_committed(engine, "downstream")
-    depend(engine, job_id, first)
+    """An async handler (default and advanced mode) reads its dependency_results through
+    current_job() or its AsyncJobContext; the dependent runs once its dependency ended."""
+    with Session(engine) as session:
+        first = sp.enqueue(session, "first", 1)
+        job_id = sp.enqueue(session, "downstream", depends_on=[first])
+        session.commit()
     seen: list[Any] = []
 
-    async def handler(job_type: str, payload: Any) -> None:
+    async def handler(job_type: str, payload: Any) -> Any:
+        if job_type == "first":
+            return {"from": payload}
         seen.append(sp.current_job().dependency_results)
+        return None
 
     async def main() -> None:
         async with async_engine(database) as aengine:
