@@ -100,24 +100,22 @@ def get_result(
 
 
 def _result_on(conn: Connection, job_id: uuid.UUID, serializer: Serializer) -> Any:
+    # The queue first: a job put back there (retry_failed) keeps its archive row until it
+    # ends again, and has no result until then.
+    queued = conn.execute(*sql.queued_state(job_id)).first()
+    if queued is not None:
+        waiting_on, lease_token, recorded = queued
+        status = (
+            "waiting for its dependencies"
+            if waiting_on
+            else "running"
+            if lease_token is not None or recorded
+            else "queued"
+        )
+        raise ResultNotReady(job_id, status)
     ended = conn.execute(*sql.ended_job(job_id)).first()
     if ended is None:
-        queued = conn.execute(*sql.queued_state(job_id)).first()
-        if queued is None:
-            # Archived between the two reads (a READ COMMITTED transaction sees it now).
-            ended = conn.execute(*sql.ended_job(job_id)).first()
-            if ended is None:
-                raise JobNotFoundError(job_id)
-        else:
-            waiting_on, lease_token, recorded = queued
-            status = (
-                "waiting for its dependencies"
-                if waiting_on
-                else "running"
-                if lease_token is not None or recorded
-                else "queued"
-            )
-            raise ResultNotReady(job_id, status)
+        raise JobNotFoundError(job_id)
     status, error, text = ended
     if status != "success":
         raise JobFailedError(job_id, status, error)

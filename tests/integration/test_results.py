@@ -238,12 +238,16 @@ def test_a_job_archived_again_keeps_no_earlier_result(
 ) -> None:
     """A job id archived with a result, enqueued again and ended with None (or failed),
     reads back None (or the failure), not the earlier result: the archive's upsert replaces
-    the result too (the single-row archive and the batch's archive from the queue rows)."""
+    the result too (the single-row archive and the batch's archive from the queue rows).
+    While it is back in the queue it has no result; a failure put back by retry_failed
+    that then succeeds has its new result."""
     job_id = enqueue_committed(engine, "again", 1)
     options = {**MODES[mode], "batch_size": batch_size}
     drain(engine, lambda t, p: {"first": p}, **options)
     assert result_of(engine, job_id) == {"first": 1}
     enqueue_committed(engine, "again", 2, job_id=job_id)
+    with pytest.raises(sp.ResultNotReady):
+        result_of(engine, job_id)  # not the archive's earlier result
     enqueue_committed(engine, "other", 3)  # a batch of two where the backend claims two
     drain(engine, lambda t, p: None, **options)
     assert stored(engine, job_id) is None
@@ -260,6 +264,11 @@ def test_a_job_archived_again_keeps_no_earlier_result(
     assert stored(engine, job_id) is None
     with pytest.raises(sp.JobFailedError, match="no result this time"):
         result_of(engine, job_id)
+    assert sp.retry_failed(engine, [job_id]) == 1
+    with pytest.raises(sp.ResultNotReady):
+        result_of(engine, job_id)
+    drain(engine, lambda t, p: {"last": p}, **options)
+    assert result_of(engine, job_id) == {"last": 5}
 
 
 # --- get_result -----------------------------------------------------------------------------
