@@ -246,6 +246,7 @@ class JobContext(_ClaimedJob):
     connection and opens its transaction on first use; the worker completes the job in
     that transaction. ``cancel_requested`` is set when the worker wants the handler to stop
     (lease mode: a cancel request, ``job_timeout``, a lost lease, a stop that gave up).
+    ``dependency_results``: the results of the jobs it depends on, by job id.
     """
 
     session: Session = field(repr=False, compare=False)
