@@ -68,6 +68,21 @@ def _guard_of(conn: Connection) -> _Guard:
     return guard
 
 
+@contextlib.contextmanager
+def worker_reads(conn: Connection) -> Iterator[None]:
+    """The worker's own reads on a job's connection while its handler runs: they open no
+    savepoint for the handler."""
+    guard = _GUARDS.get(conn)
+    session = guard.session if guard is not None else None
+    if guard is not None:
+        guard.session = None
+    try:
+        yield
+    finally:
+        if guard is not None:
+            guard.session = session
+
+
 class JobSession(Session):
     """The handler's Session, inside a savepoint of the job's own transaction.
 

@@ -36,7 +36,13 @@ from sqla_proletarian.errors import (
     UnknownJobTypeError,
 )
 from sqla_proletarian.flow import FlowControl
-from sqla_proletarian.handlers import JobContext, JobHandlers, StopSignal, running_job
+from sqla_proletarian.handlers import (
+    JobContext,
+    JobHandlers,
+    StopSignal,
+    running_job,
+    worker_reads,
+)
 from sqla_proletarian.logs import finished_logger, log_event, log_to
 from sqla_proletarian.retry import RetryStrategy, as_retry_strategy
 from sqla_proletarian.serialization import Serializer
@@ -296,7 +302,8 @@ class RunnerBase:
         def read_dependencies() -> dict[Any, Any]:
             serializer, job_id = self.settings.serializer, job["job_id"]
             if read_on is not None:
-                return results.read_dependency_results(read_on, job_id, serializer)
+                with worker_reads(read_on):
+                    return results.read_dependency_results(read_on, job_id, serializer)
             with self.engine.connect() as conn:
                 return results.read_dependency_results(conn, job_id, serializer)
 

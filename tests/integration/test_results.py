@@ -651,6 +651,43 @@ def test_dependency_results_maps_each_dependency_to_its_result(
     assert result_of(engine, joined) is None
 
 
+def test_reading_dependency_results_opens_no_savepoint_for_the_handler(
+    engine: sa.Engine,
+) -> None:
+    """Transaction mode reads them on the job's own connection as the worker's read: a
+    handler that only reads them costs no savepoint; one that then writes still has its
+    writes kept with the job."""
+    with Session(engine) as session:
+        first = sp.enqueue(session, "first", 1)
+        session.commit()
+    sp.process_next_job(engine, lambda t, p: {"from": p})
+    with Session(engine) as session:
+        reader = sp.enqueue(session, "reader", depends_on=[first])
+        writer = sp.enqueue(session, "writer", depends_on=[first])
+        session.commit()
+    savepoints: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.lstrip().upper().startswith("SAVEPOINT"):
+            savepoints.append(statement)
+
+    sa.event.listen(engine, "before_cursor_execute", record)
+    seen: list[Any] = []
+
+    def handler(job: sp.JobContext) -> None:
+        seen.append(job.dependency_results)
+        if job.job_type == "writer":
+            job.session.add(Note(text="kept"))
+
+    assert sp.process_next_job(engine, handler, handler_mode="advanced")
+    assert savepoints == []
+    assert sp.process_next_job(engine, handler, handler_mode="advanced")
+    assert savepoints  # the writer's: the worker's and its session's
+    assert seen == [{first: {"from": 1}}] * 2
+    assert notes(engine) == ["kept"]
+    assert result_of(engine, reader) is None and result_of(engine, writer) is None
+
+
 @EVERY_MODE
 def test_the_asyncio_workers_job_reads_its_dependency_results(
     database: Any, engine: sa.Engine, mode: str
