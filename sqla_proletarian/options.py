@@ -12,6 +12,7 @@ from sqla_proletarian.errors import ConfigurationError
 from sqla_proletarian.leases import check_lease_settings, check_task_timeouts
 from sqla_proletarian.models import DEFAULT_QUEUE
 from sqla_proletarian.periodic import PeriodicJob, check_periodic_jobs
+from sqla_proletarian.progress import DEFAULT_PROGRESS_INTERVAL
 from sqla_proletarian.running import FailedJobHandler, RetryStrategyFn, RunSettings
 from sqla_proletarian.serialization import DEFAULT_SERIALIZER, Serializer
 from sqla_proletarian.values import Clock, check_name, utc_now
@@ -67,6 +68,7 @@ class WorkerOptions:
     lease_seconds: float | None = None
     heartbeat_interval: float | None = None
     job_timeout: float | None = None
+    progress_interval: float = DEFAULT_PROGRESS_INTERVAL
 
     def __post_init__(self) -> None:
         queues = check_queues(self.queues) if self.queues != () else (self.queue,)
@@ -82,6 +84,7 @@ class WorkerOptions:
         _positive("polling_interval", self.polling_interval)
         _non_negative("await_termination_timeout", self.await_termination_timeout)
         _non_negative("reconnect_grace", self.reconnect_grace)
+        _non_negative("progress_interval", self.progress_interval)
         if self.handler_mode not in ("default", "advanced"):
             raise ConfigurationError(
                 f"handler_mode is {self.handler_mode!r}; use 'default' for "
@@ -156,6 +159,7 @@ class WorkerOptions:
             lease_seconds=self.lease_seconds,
             heartbeat_interval=self.heartbeat_interval,
             job_timeout=self.job_timeout,
+            progress_interval=self.progress_interval,
             **tasks,
         )
 

@@ -47,6 +47,7 @@ from sqla_proletarian.polling import (
     Polling,
     Stop,
 )
+from sqla_proletarian.progress import DEFAULT_PROGRESS_INTERVAL
 from sqla_proletarian.running import FailedJobHandler, Outcome, RetryStrategyFn
 from sqla_proletarian.serialization import DEFAULT_SERIALIZER, Serializer
 from sqla_proletarian.values import DEFAULT_QUEUE, Clock, utc_now
@@ -58,6 +59,7 @@ __all__ = [
     "DEFAULT_BATCH_SIZE",
     "DEFAULT_MAX_UNCLEAN_ENDS",
     "DEFAULT_POLLING_INTERVAL",
+    "DEFAULT_PROGRESS_INTERVAL",
     "DEFAULT_RECONNECT_GRACE",
     "DEFAULT_WORKER_THREADS",
     "EXIT_JOBS_UNFINISHED",
@@ -643,6 +645,7 @@ def create_queue_worker(
     lease_seconds: float | None = None,
     heartbeat_interval: float | None = None,
     job_timeout: float | None = None,
+    progress_interval: float = DEFAULT_PROGRESS_INTERVAL,
 ) -> QueueWorker:
     """A QueueWorker for ``engine`` that runs ``handler``; call ``.start()`` to begin.
 
@@ -673,7 +676,10 @@ def create_queue_worker(
     open, for long jobs; see docs/modes.md), ``heartbeat_interval`` (lease mode: seconds
     between renewals of the worker's leases, ``lease_seconds / 3``) and ``job_timeout``
     (lease mode: seconds after which a running job is failed with JobTimeoutError, retried
-    per the retry strategy, and its handler asked to stop through ``job.cancel_requested``).
+    per the retry strategy, and its handler asked to stop through ``job.cancel_requested``)
+    and ``progress_interval`` (1 s: the least time between two writes of a running job's
+    ``job.set_progress`` reports; the reports in between keep only the latest, written
+    when the interval has passed or the handler returns).
 
     A worker runs once: ``start()`` after a stop raises ConfigurationError. ``stop()`` starts
     no job from the moment it is called, may be called more than once and from any thread
@@ -697,4 +703,8 @@ def process_next_job(engine: Engine, handler: Callable[..., Any], **options: Any
     ``job_timeout``). Database errors are raised to the caller.
     """
     settings = WorkerOptions.from_kwargs(options).run_settings(handler)
-    return new_runner(engine, settings).process_one()
+    runner = new_runner(engine, settings)
+    try:
+        return runner.process_one()
+    finally:
+        runner.progress.wait_written()
