@@ -6,14 +6,14 @@ from __future__ import annotations
 import uuid
 from datetime import datetime
 from functools import cache
-from typing import Any, cast
+from typing import cast
 
 from sqlalchemy import Executable, Table, bindparam, delete, func, insert, select
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 
 from sqla_proletarian.dialects import ArchiveUpsert
 from sqla_proletarian.models import Dependency, Progress
-from sqla_proletarian.statements.base import _IDS, ARCHIVE, JOB, Statement
+from sqla_proletarian.statements.base import _IDS, JOB, Statement
 
 PROGRESS = cast(Table, Progress.__table__)
 DEPENDENCY = cast(Table, Dependency.__table__)
@@ -71,43 +71,37 @@ def progress_of(job_id: uuid.UUID) -> Statement:
     return _PROGRESS_OF, {"job_id": job_id}
 
 
-#: A graph neighbour's state: queued (its ``waiting_on`` and due time tell waiting from the
-#: rest) or archived (its status); neither when it was pruned.
-_NEIGHBOUR = (
-    JOB.c.waiting_on.label("waiting_on"),
-    JOB.c.process_at.label("process_at"),
-    JOB.c.lease_token.label("lease_token"),
-    ARCHIVE.c.status.label("status"),
+_PROGRESS_OF_MANY = select(PROGRESS.c.job_id, PROGRESS.c.progress, PROGRESS.c.message).where(
+    PROGRESS.c.job_id.in_(_IDS)
 )
 
 
-def _neighbours(edge_column: Any, match_column: Any) -> Any:
-    return (
-        select(edge_column.label("job_id"), *_NEIGHBOUR)
-        .select_from(
-            DEPENDENCY.outerjoin(JOB, JOB.c.job_id == edge_column).outerjoin(
-                ARCHIVE, ARCHIVE.c.job_id == edge_column
-            )
-        )
-        .where(match_column == bindparam("job_id"), _EDGE)
-        .order_by(edge_column)
-    )
+def progress_of_many(job_ids: list[uuid.UUID]) -> Statement:
+    """The last reported progress of several jobs (a page of a list), by primary key."""
+    return _PROGRESS_OF_MANY, {"ids": job_ids}
 
 
-_DEPENDENCIES = _neighbours(DEPENDENCY.c.depends_on, DEPENDENCY.c.job_id)
-_DEPENDENTS = _neighbours(DEPENDENCY.c.job_id, DEPENDENCY.c.depends_on)
+_DEPENDENCIES = (
+    select(DEPENDENCY.c.job_id, DEPENDENCY.c.depends_on)
+    .where(DEPENDENCY.c.job_id.in_(_IDS), _EDGE)
+    .order_by(DEPENDENCY.c.job_id, DEPENDENCY.c.depends_on)
+)
+_DEPENDENTS = (
+    select(DEPENDENCY.c.depends_on, DEPENDENCY.c.job_id)
+    .where(DEPENDENCY.c.depends_on.in_(_IDS), _EDGE)
+    .order_by(DEPENDENCY.c.depends_on, DEPENDENCY.c.job_id)
+)
 
 
-def dependencies_of(job_id: uuid.UUID) -> Statement:
-    """The jobs a job depends on (by the dependency table's primary key), each with what
-    tells its state (its queued row's, or its archive row's status)."""
-    return _DEPENDENCIES, {"job_id": job_id}
+def dependencies_of(job_ids: list[uuid.UUID]) -> Statement:
+    """Pairs (job, the job it depends on) of ``job_ids`` (the dependency table's primary
+    key); a ``wait_for_result`` caller's rows are not edges of a graph."""
+    return _DEPENDENCIES, {"ids": job_ids}
 
 
-def dependents_of(job_id: uuid.UUID) -> Statement:
-    """The jobs depending on a job (the ``depends_on`` index), each with what tells its
-    state."""
-    return _DEPENDENTS, {"job_id": job_id}
+def dependents_of(job_ids: list[uuid.UUID]) -> Statement:
+    """Pairs (job, a job depending on it) of ``job_ids`` (the ``depends_on`` index)."""
+    return _DEPENDENTS, {"ids": job_ids}
 
 
 _WAITING_COUNTS = (
@@ -153,6 +147,7 @@ __all__ = [
     "dependents_of",
     "forget_pruned",
     "progress_of",
+    "progress_of_many",
     "still_needed",
     "waiting_counts",
     "write_progress",
