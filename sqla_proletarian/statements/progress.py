@@ -6,14 +6,14 @@ from __future__ import annotations
 import uuid
 from datetime import datetime
 from functools import cache
-from typing import cast
+from typing import Any, cast
 
-from sqlalchemy import Executable, Table, bindparam, delete, func, insert, select
+from sqlalchemy import Executable, Table, bindparam, delete, exists, func, insert, select
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 
 from sqla_proletarian.dialects import ArchiveUpsert
 from sqla_proletarian.models import Dependency, Progress
-from sqla_proletarian.statements.base import _IDS, JOB, Statement
+from sqla_proletarian.statements.base import _IDS, ARCHIVE, JOB, Statement
 
 PROGRESS = cast(Table, Progress.__table__)
 DEPENDENCY = cast(Table, Dependency.__table__)
@@ -130,12 +130,23 @@ def still_needed(job_ids: list[uuid.UUID]) -> Statement:
     return _NEEDED, {"ids": job_ids}
 
 
-_DELETE_EDGES = delete(DEPENDENCY).where(DEPENDENCY.c.job_id.in_(_IDS))
-_DELETE_PROGRESS = delete(PROGRESS).where(PROGRESS.c.job_id.in_(_IDS))
+def _gone(column: Any) -> tuple[Any, ...]:
+    """Of ``ids``, those neither archived nor queued now (a job archived again since its
+    batch was read keeps its rows)."""
+    return (
+        column.in_(_IDS),
+        ~exists().where(ARCHIVE.c.job_id == column),
+        ~exists().where(JOB.c.job_id == column),
+    )
+
+
+_DELETE_EDGES = delete(DEPENDENCY).where(*_gone(DEPENDENCY.c.job_id))
+_DELETE_PROGRESS = delete(PROGRESS).where(*_gone(PROGRESS.c.job_id))
 
 
 def forget_pruned(job_ids: list[uuid.UUID]) -> list[Statement]:
-    """Delete the dependency rows of pruned jobs (as dependents) and their progress rows."""
+    """Delete the dependency rows of pruned jobs (as dependents) and their progress rows:
+    those of ``job_ids`` neither archived nor queued now."""
     return [(_DELETE_EDGES, {"ids": job_ids}), (_DELETE_PROGRESS, {"ids": job_ids})]
 
 
