@@ -98,7 +98,7 @@ def test_prune_archive_keeps_a_job_a_queued_job_depends_on_and_forgets_pruned_gr
     engine: sa.Engine,
 ) -> None:
     clock = FakeClock()
-    first, second, third, fourth = a_graph(engine, clock)
+    first, _, third, fourth = a_graph(engine, clock)
     alone = enqueue(engine, "alone", clock)
 
     def handler(job_type: str, payload: Any) -> None:
