@@ -8,7 +8,7 @@ from datetime import datetime
 from functools import cache
 from typing import Any, cast
 
-from sqlalchemy import Executable, Table, bindparam, delete, exists, func, insert, select
+from sqlalchemy import Executable, Table, bindparam, delete, func, insert, select
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 
 from sqla_proletarian.dialects import ArchiveUpsert
@@ -135,8 +135,8 @@ def _gone(column: Any) -> tuple[Any, ...]:
     batch was read keeps its rows)."""
     return (
         column.in_(_IDS),
-        ~exists().where(ARCHIVE.c.job_id == column),
-        ~exists().where(JOB.c.job_id == column),
+        ~select(ARCHIVE.c.job_id).where(ARCHIVE.c.job_id == column).exists(),
+        ~select(JOB.c.job_id).where(JOB.c.job_id == column).exists(),
     )
 
 

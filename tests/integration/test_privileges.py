@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session
 import sqla_proletarian as sp
 from sqla_proletarian.dialects import dialect_of
 from sqla_proletarian.errors import driver_error, mysql_errno, sqlstate
+from sqla_proletarian.models import Dependency, Progress
 from sqla_proletarian.periodic import PeriodicJob, Scheduler
 
 if TYPE_CHECKING:
@@ -34,6 +35,9 @@ SERVER_BACKENDS = [
     if name in os.environ.get("SP_TEST_BACKENDS", "postgresql,mariadb").split(",")
 ]
 pytestmark = pytest.mark.parametrize("empty_database", SERVER_BACKENDS, indirect=True)
+
+DEPENDENCY = Dependency.__table__
+PROGRESS = Progress.__table__
 
 #: (privilege, object) pairs: the grants of docs/privileges.md, one privilege each.
 Grant = tuple[str, str]
@@ -53,6 +57,18 @@ WORKER_GRANTS: list[Grant] = [
     # Each poll checks whether its queue is paused, and whether it has limits.
     ("SELECT", "proletarian_paused_queue"),
     ("SELECT", "proletarian_queue_limit"),
+    # Each job's end settles its dependents (their rows locked: FOR UPDATE needs UPDATE on
+    # PostgreSQL, and the settled rows are updated) and deletes its waiters' rows.
+    ("SELECT", "proletarian_dependency"),
+    ("UPDATE", "proletarian_dependency"),
+    ("DELETE", "proletarian_dependency"),
+]
+#: What a worker whose handlers report progress (``job.set_progress``) needs besides: its
+#: upsert of the job's row, which reads the columns it sets (as the archive's).
+PROGRESS_GRANTS: list[Grant] = [
+    ("SELECT", "proletarian_progress"),
+    ("INSERT", "proletarian_progress"),
+    ("UPDATE", "proletarian_progress"),
 ]
 #: What a worker of queues with limits needs besides: the limit rows' locks (a rate's
 #: reservations take turns on them; FOR UPDATE needs UPDATE on PostgreSQL), the slots it
@@ -262,6 +278,14 @@ def exercise_worker(admin: sa.Engine, worker: Role, queue: str, *, ledger: bool 
     if ledger:
         expected["crashed"] = ("failure", 1)
     ids = enqueue_as_admin(admin, queue, *expected)
+    # A job waiting for "ok", and a wait_for_result caller's row on it.
+    with admin.begin() as conn:
+        sp.enqueue(conn, "then", {}, queue=queue, depends_on=[ids["ok"]])
+        conn.execute(
+            sa.insert(DEPENDENCY),
+            {"job_id": uuid.uuid4(), "depends_on": ids["ok"], "kind": "wait", "pending": True},
+        )
+    expected["then"] = ("success", 1)
     if ledger:
         leave_unclean_end(admin, ids["crashed"])
     failed = work_off(worker, queue, 1 if ledger else None)
@@ -284,6 +308,12 @@ def exercise_worker(admin: sa.Engine, worker: Role, queue: str, *, ledger: bool 
             sa.select(sa.func.count()).select_from(sp.Job).where(sp.Job.queue == queue)
         )
         assert left == 0
+        settled = session.execute(
+            sa.select(DEPENDENCY.c.kind, DEPENDENCY.c.pending).where(
+                DEPENDENCY.c.depends_on == ids["ok"]
+            )
+        ).all()
+        assert [tuple(row) for row in settled] == [("cancel", False)]  # the wait row is gone
 
 
 def enqueue_both_ways(enqueuer: Role, queue: str) -> list[uuid.UUID]:
@@ -468,3 +498,42 @@ def test_a_worker_with_periodic_jobs_needs_the_documented_grants_and_each_of_the
             assert permission_denied(info.value), (grant, info.value)
         finally:
             worker.grant(grant)
+
+
+def test_a_worker_whose_handlers_report_progress_needs_the_progress_grants_and_each(
+    roles: Roles, engine: sa.Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With the progress grants a handler's report is stored; without any one of them the
+    server refuses the write, which is logged, and the job still succeeds."""
+    grants = [*WORKER_GRANTS, *PROGRESS_GRANTS]
+    worker = roles.make("worker", grants)
+
+    def handler(job_type: str, payload: Any) -> None:
+        sp.current_job().set_progress(0.5, "halfway")
+
+    for grant in PROGRESS_GRANTS:
+        worker.revoke(grant)
+        try:
+            [job_id] = enqueue_as_admin(engine, f"without-{grant[0]}", "report").values()
+            caplog.clear()
+            assert sp.process_next_job(worker.engine, handler, queue=f"without-{grant[0]}")
+            [failure, *_] = [r for r in caplog.records if r.message.startswith("progress-write")]
+            assert "denied" in failure.error, (grant, failure.error)
+            with Session(engine) as session:
+                assert session.get(sp.ArchivedJob, job_id).status == "success"  # type: ignore[union-attr]
+        finally:
+            worker.grant(grant)
+    [job_id] = enqueue_as_admin(engine, "reports", "report").values()
+    assert sp.process_next_job(worker.engine, handler, queue="reports")
+    job = sp.get_job(engine, job_id)
+    assert job is not None
+    assert (job.progress, job.progress_message) == (0.5, "halfway")
+    # Reporting twice replaces the row (the upsert's UPDATE).
+    [again] = enqueue_as_admin(engine, "reports", "report").values()
+    with engine.begin() as conn:
+        conn.execute(
+            sa.insert(PROGRESS), {"job_id": again, "progress": 0.1, "updated_at": datetime.now(UTC)}
+        )
+    assert sp.process_next_job(worker.engine, handler, queue="reports")
+    replaced = sp.get_job(engine, again)
+    assert replaced is not None and replaced.progress == 0.5
