@@ -105,6 +105,8 @@ class ProgressWriter:
         #: Notified when the writing stops, none being left.
         self._idle = threading.Condition(self._lock)
         self._pending: dict[uuid.UUID, _Report] = {}
+        #: The reports being written (one that fails is kept again, as it stands then).
+        self._in_flight: dict[uuid.UUID, _Report] = {}
         #: When each running job's progress was last written (``time.monotonic``).
         self._written_at: dict[uuid.UUID, float] = {}
         self._writing = False
@@ -125,7 +127,7 @@ class ProgressWriter:
         at once (when the lock allows, on SQLite in transaction mode)."""
         with self._lock:
             self._written_at.pop(job_id, None)
-            report = self._pending.get(job_id)
+            report = self._pending.get(job_id) or self._in_flight.get(job_id)
             if report is None:
                 return
             report.ended = True
@@ -196,6 +198,7 @@ class ProgressWriter:
             if report.ended or at <= now:
                 due.append((job_id, report))
                 del self._pending[job_id]
+                self._in_flight[job_id] = report
                 if not report.ended:
                     self._written_at[job_id] = now
             else:
@@ -226,25 +229,34 @@ class ProgressWriter:
                 ):
                     conn.execute(statement, params)
         except Exception as exc:
-            report.attempts += 1
-            again = report.attempts < MAX_WRITE_ATTEMPTS
-            log_event(
-                logging.WARNING,
-                "progress-write-failed",
-                job_id=str(job_id),
-                error=repr(exc),
-                hint="the job goes on; "
-                + (
-                    "the report is written again at the next progress_interval"
-                    if again
-                    else f"the report was dropped after {MAX_WRITE_ATTEMPTS} tries"
-                ),
-            )
-            if again:
-                with self._lock:
-                    self._pending.setdefault(job_id, report)
-                    if not report.ended:
-                        self._written_at[job_id] = time.monotonic()
+            self._failed(job_id, report, exc)
+        finally:
+            with self._lock:
+                if self._in_flight.get(job_id) is report:
+                    del self._in_flight[job_id]
+
+    def _failed(self, job_id: uuid.UUID, report: _Report, exc: Exception) -> None:
+        """Log a failed write; keep the report for another try, unless a newer one came or
+        it was tried enough (at once if its handler has returned, else at the interval)."""
+        report.attempts += 1
+        again = report.attempts < MAX_WRITE_ATTEMPTS
+        log_event(
+            logging.WARNING,
+            "progress-write-failed",
+            job_id=str(job_id),
+            error=repr(exc),
+            hint="the job goes on; "
+            + (
+                "the report is tried again (at once if its handler has returned)"
+                if again
+                else f"the report was dropped after {MAX_WRITE_ATTEMPTS} tries"
+            ),
+        )
+        if again:
+            with self._lock:
+                self._pending.setdefault(job_id, report)
+                if not report.ended:
+                    self._written_at[job_id] = time.monotonic()
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
