@@ -97,6 +97,18 @@ _PENDING_ON = (
 )
 
 
+_ANY_PENDING_ON = (
+    select(DEPENDENCY.c.job_id)
+    .where(DEPENDENCY.c.depends_on == bindparam("job_id"), DEPENDENCY.c.pending == true())
+    .limit(1)
+)
+
+
+def any_pending_on(job_id: uuid.UUID) -> Statement:
+    """Whether a row waits for the job's end: read without a lock."""
+    return _ANY_PENDING_ON, {"job_id": job_id}
+
+
 def pending_on(job_ids: Sequence[uuid.UUID]) -> Statement:
     """The rows still waiting for the end of one of ``job_ids``, locked (in the order of
     their key, so that two ends settling the same dependent take its locks in turn)."""
@@ -214,6 +226,7 @@ def dependencies_of(job_id: uuid.UUID) -> Statement:
 
 __all__ = [
     "DEPENDENCY",
+    "any_pending_on",
     "count_down",
     "dependencies_of",
     "drop_waits",
