@@ -68,6 +68,7 @@ from sqla_proletarian.values import (
     utc_now,
 )
 from sqla_proletarian.worker import _check_pool, scheduler_for
+from sqla_proletarian.workflows import OnDependencyFailure
 
 #: Tasks running jobs at the same time.
 DEFAULT_CONCURRENCY = 1
@@ -131,6 +132,8 @@ async def enqueue_async(
     job_id_strategy: JobIdStrategy | None = None,
     clock: Clock | None = None,
     concurrency_key: str | None = None,
+    depends_on: Iterable[uuid.UUID] | None = None,
+    on_dependency_failure: OnDependencyFailure = "cancel",
 ) -> uuid.UUID:
     """``enqueue()`` for asyncio: add a job to the caller's transaction; its id. Never commits.
 
@@ -154,6 +157,8 @@ async def enqueue_async(
         job_id_strategy=job_id_strategy,
         clock=clock,
         concurrency_key=concurrency_key,
+        depends_on=depends_on,
+        on_dependency_failure=on_dependency_failure,
     )
 
 
@@ -170,6 +175,8 @@ async def enqueue_many_async(
     clock: Clock | None = None,
     job_id: None = None,
     concurrency_key: str | None = None,
+    depends_on: Iterable[uuid.UUID] | None = None,
+    on_dependency_failure: OnDependencyFailure = "cancel",
 ) -> list[uuid.UUID]:
     """``enqueue_many()`` for asyncio: validate every job, insert them in the caller's
     transaction (an AsyncSession's or an AsyncConnection's), return their ids in order.
@@ -188,6 +195,8 @@ async def enqueue_many_async(
         clock=clock,
         job_id=job_id,
         concurrency_key=concurrency_key,
+        depends_on=depends_on,
+        on_dependency_failure=on_dependency_failure,
     )
 
 

@@ -14,7 +14,7 @@ from sqlalchemy import Connection, Engine, RowMapping
 from sqlalchemy.orm import Session, scoped_session
 
 from sqla_proletarian import statements as sql
-from sqla_proletarian import wakeups
+from sqla_proletarian import wakeups, workflows
 from sqla_proletarian.dialects import dialect_of
 from sqla_proletarian.enqueue import Transaction, _connection_of
 from sqla_proletarian.errors import InvalidJobError, NotATransactionError
@@ -96,6 +96,7 @@ def cancel_job(
             upsert=dialect.archive_upsert,
         )
     )
+    workflows.settle(conn, {job_id: "cancelled"}, dialect, now)
     log_event(
         logging.INFO,
         "job-cancelled",

@@ -37,6 +37,13 @@ from sqla_proletarian.values import (
     build_job_values,
     build_many_job_values,
 )
+from sqla_proletarian.workflows import (
+    OnDependencyFailure,
+    check_depends_on,
+    make_waiting,
+    read_dependencies,
+    write_dependents,
+)
 
 #: What enqueue() joins: a Session (or a subclass, such as SQLModel's), a scoped_session
 #: (Flask-SQLAlchemy's ``db.session``), or a Connection.
@@ -64,6 +71,8 @@ def enqueue(
     job_id_strategy: JobIdStrategy | None = None,
     clock: Clock | None = None,
     concurrency_key: str | None = None,
+    depends_on: Iterable[uuid.UUID] | None = None,
+    on_dependency_failure: OnDependencyFailure = "cancel",
 ) -> uuid.UUID:
     """Add a job to the caller's transaction and return its id. Never commits.
 
@@ -83,9 +92,19 @@ def enqueue(
     ``clock``: the time the job is enqueued at (``utc_now``). ``concurrency_key``: what the
     queue's per-key limits count the job by (``set_queue_limits``); without one, the job
     counts toward the queue's own limits only.
+
+    ``depends_on``: ids of jobs (enqueued earlier in this transaction, or committed: queued,
+    running or archived) that must all succeed before this job is due; it waits until then.
+    ``on_dependency_failure``: when one of them fails or is cancelled, ``"cancel"`` (the
+    default) archives this job as cancelled (its ``error`` names the dependency), and its own
+    dependents in turn; ``"run"`` runs it anyway. Such a job is inserted at once, also with a
+    Session (which is flushed first, so that jobs added to it can be depended on; with an
+    AsyncSession use ``await sp.enqueue_async(...)``). An unknown id raises
+    ``InvalidJobError`` naming it, and nothing is written.
     """
     given = session_or_connection
     session_or_connection = _sync_session_of(session_or_connection)
+    dependencies = check_depends_on(depends_on, on_dependency_failure)
     fields: dict[str, Any] = {
         "queue": queue,
         "process_at": process_at,
@@ -97,6 +116,17 @@ def enqueue(
         "clock": clock,
         "concurrency_key": concurrency_key,
     }
+    if dependencies:
+        if session_or_connection is not given and not isinstance(given, Session):
+            raise NotATransactionError(
+                "enqueue() with depends_on inserts the job at once, which an AsyncSession "
+                "can only do in an awaited call: use `await sp.enqueue_async(session, ..., "
+                "depends_on=...)`"
+            )
+        values = build_job_values(job_type, payload, unique_key=unique_key, **fields)
+        connection = _connection_of(session_or_connection, "enqueue", flush=True)
+        ids = _enqueue_dependents(connection, [values], dependencies, on_dependency_failure)
+        return ids[0]
     if unique_key is not None:
         if session_or_connection is not given and not isinstance(given, Session):
             raise NotATransactionError(
@@ -145,6 +175,8 @@ def enqueue_many(
     clock: Clock | None = None,
     job_id: None = None,
     concurrency_key: str | None = None,
+    depends_on: Iterable[uuid.UUID] | None = None,
+    on_dependency_failure: OnDependencyFailure = "cancel",
 ) -> list[uuid.UUID]:
     """Add many jobs, ``(job_type, payload)`` pairs or ``(job_type, payload, unique_key)``
     triples, to the caller's transaction; their ids in order. Never commits.
@@ -158,8 +190,10 @@ def enqueue_many(
     job of the queue holds its key (one queued earlier, or one before it in ``jobs``), its id
     is that job's. ``serializer``, ``job_id_strategy`` and ``clock`` apply to every job, as
     for ``enqueue()``; ``job_id`` is refused (each job gets an id of its own);
-    ``concurrency_key`` is every job's.
+    ``concurrency_key`` is every job's. ``depends_on`` and ``on_dependency_failure`` (as for
+    ``enqueue()``) apply to every job of the call: each waits for all of ``depends_on``.
     """
+    dependencies = check_depends_on(depends_on, on_dependency_failure)
     if job_id is not None:
         raise InvalidJobError(
             "job_id", "enqueue_many() makes one id per job; give job_id_strategy instead"
@@ -175,7 +209,9 @@ def enqueue_many(
         clock=clock,
         concurrency_key=concurrency_key,
     )
-    connection = _connection_of(session_or_connection, "enqueue_many")
+    connection = _connection_of(session_or_connection, "enqueue_many", flush=bool(dependencies))
+    if dependencies:
+        return _enqueue_dependents(connection, rows, dependencies, on_dependency_failure)
     plain = [row for row in rows if row["unique_key"] is None]
     if plain:
         _insert_many(connection, plain)
@@ -184,6 +220,40 @@ def enqueue_many(
         row["job_id"] if row["unique_key"] is None else enqueue_unique(connection, row)
         for row in rows
     ]
+
+
+def _enqueue_dependents(
+    connection: Connection,
+    rows: list[dict[str, Any]],
+    depends_on: list[uuid.UUID],
+    on_dependency_failure: str,
+) -> list[uuid.UUID]:
+    """Enqueue jobs that wait for ``depends_on`` (see ``sqla_proletarian.workflows``); their
+    ids (a unique key's holder's, where a job of the queue holds it)."""
+    dialect = dialect_of(connection)
+    found = read_dependencies(
+        connection, depends_on, on_dependency_failure, own=[row["job_id"] for row in rows]
+    )
+    if found.cancels:
+        write_dependents(connection, rows, found, dialect)
+        return [row["job_id"] for row in rows]
+    ids = []
+    plain = []
+    for row in rows:
+        make_waiting(row, found)
+        if row["unique_key"] is None:
+            plain.append(row)
+            ids.append(row["job_id"])
+            continue
+        holder = enqueue_unique(connection, row)
+        if holder == row["job_id"]:
+            write_dependents(connection, [row], found, dialect, inserted=True)
+        ids.append(holder)
+    if plain:
+        write_dependents(connection, plain, found, dialect)
+    if not found.live:
+        wakeups.enqueued(connection, {row["queue"] for row in rows})
+    return ids
 
 
 def _insert_many(connection: Connection, rows: list[dict[str, Any]]) -> None:
@@ -233,12 +303,17 @@ def _job_flushed(mapper: Mapper[Job], connection: Connection, job: Job) -> None:
     wakeups.enqueued(connection, {job.queue})
 
 
-def _connection_of(session_or_connection: Transaction, caller: str) -> Connection:
-    """The Connection of the caller's transaction (a Session's, in its transaction)."""
+def _connection_of(
+    session_or_connection: Transaction, caller: str, *, flush: bool = False
+) -> Connection:
+    """The Connection of the caller's transaction (a Session's, in its transaction; with
+    ``flush``, after the Session has flushed what was added to it)."""
     if isinstance(session_or_connection, scoped_session):
         session_or_connection = session_or_connection()
     if isinstance(session_or_connection, Session):
         _check_session(session_or_connection)
+        if flush:
+            session_or_connection.flush()
         return session_or_connection.connection()
     if isinstance(session_or_connection, Connection):
         _check_connection(session_or_connection)

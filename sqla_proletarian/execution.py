@@ -19,7 +19,7 @@ from sqlalchemy import Connection
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
-from sqla_proletarian import direct, ledger, telemetry
+from sqla_proletarian import direct, ledger, telemetry, workflows
 from sqla_proletarian import statements as sql
 from sqla_proletarian.dialects import dialect_of
 from sqla_proletarian.errors import (
@@ -439,6 +439,7 @@ class JobRunner(RunnerBase):
                 f"{len(succeeded) - removed} of the claim's {len(succeeded)} job rows were "
                 "gone when their success was recorded: the claim lost its row locks"
             )
+        workflows.settle(conn, dict.fromkeys(succeeded, "success"), self.dialect, self.now())
 
     def _claim(
         self, connections: WorkerConnections, reserved: dict[str, Reserved]
@@ -831,24 +832,26 @@ class JobRunner(RunnerBase):
     ) -> None:
         """Archive the job with its outcome and remove it from the queue, with its run records
         (also leftovers of runs recorded while crash accounting was on) unless the claim
-        removes them when it finishes (``with_runs=False``)."""
+        removes them when it finishes (``with_runs=False``); settle its dependents."""
+        now = self.now()
         direct.execute(
             conn,
             *sql.archive(
                 job,
                 status=status,
                 attempts=attempts,
-                finished_at=self.now(),
+                finished_at=now,
                 error=error,
                 upsert=self.dialect.archive_upsert,
             ),
         )
         if with_runs and self.dialect.deletes_runs_with_job:
             _expect_one(direct.execute(conn, *sql.delete_job_and_runs(job["job_id"])), "delete")
-            return
-        _expect_one(direct.execute(conn, *sql.delete_job(job["job_id"])), "delete")
-        if with_runs:
-            direct.execute(conn, *sql.end_runs(job["job_id"]))
+        else:
+            _expect_one(direct.execute(conn, *sql.delete_job(job["job_id"])), "delete")
+            if with_runs:
+                direct.execute(conn, *sql.end_runs(job["job_id"]))
+        workflows.settle(conn, {job["job_id"]: status}, self.dialect, now)
 
 
 class _LazySession:

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from sqlalchemy import Connection, Engine, event
 
-from sqla_proletarian import direct, ledger, telemetry
+from sqla_proletarian import direct, ledger, telemetry, workflows
 from sqla_proletarian import statements as sql
 from sqla_proletarian.dialects import Dialect
 from sqla_proletarian.errors import (
@@ -756,6 +756,11 @@ class LeaseRunner(RunnerBase):
                     for run in held
                 ]
                 conn.execute(archived[0][0], [values for _, values in archived])
+                ends = {
+                    run.job_id: "cancelled" if run.job_id in cancelled else "success"
+                    for run in held
+                }
+                workflows.settle(conn, ends, self.dialect, now)
             conn.commit()
             return kept, cancelled
         finally:
@@ -852,7 +857,10 @@ class LeaseRunner(RunnerBase):
                     error=describe(error) if error is not None else None,
                     upsert=self.dialect.archive_upsert,
                 )
-                return int(conn.execute(*statement).rowcount)
+                archived = int(conn.execute(*statement).rowcount)
+                if archived:
+                    workflows.settle(conn, {run.job_id: status}, self.dialect, self.now())
+                return archived
             statement = sql.end_lease(run.job_id, run.token, cancelling=cancelling)
             removed = conn.execute(*statement).rowcount
             if removed:
@@ -1039,6 +1047,7 @@ class LeaseRunner(RunnerBase):
         )
         if with_runs:
             conn.execute(*sql.end_runs(job["job_id"]))
+        workflows.settle(conn, {job["job_id"]: status}, self.dialect, self.now())
 
     # --- the heartbeat and the timeouts -----------------------------------------------------
 

@@ -68,6 +68,8 @@ DEPENDENCY_TABLE = "proletarian_dependency"
 PROGRESS_TABLE = "proletarian_progress"
 #: A waiting job's ``process_at``: no poll reaches it; ``due_at`` keeps its own due time.
 WAITING_AT = datetime(9999, 1, 1, tzinfo=UTC)
+#: ``proletarian_dependency.kind`` of a ``wait_for_result`` caller's row.
+WAIT_KIND = "wait"
 #: The unique index that lets one queued job hold a ``unique_key`` in its queue.
 UNIQUE_KEY_INDEX = "ix_proletarian_job_unique_key"
 

@@ -333,6 +333,7 @@ class Poll(_Poller):
             with polling.claiming():
                 if polling.scheduler is not None:
                     polling.scheduler.tick(self.connections.conn)
+                polling.runner.sweep(self.connections.conn)
                 ran = polling.runner.process_one(self.connections)
             decision: Decision = RAN if ran else Idle(polling.idle_pause(self.connections))
         except Exception as exc:
@@ -373,6 +374,7 @@ class Feed(_Poller):
                 with polling.claiming():
                     if polling.scheduler is not None:
                         polling.scheduler.tick(connections.conn)
+                    feeder.runner.sweep(connections.conn)
                     claimed = feeder.claim(connections) > 0
                 if not claimed:
                     pause = polling.drained_pause(feeder, connections)

@@ -41,6 +41,7 @@ from sqla_proletarian.logs import finished_logger, log_event, log_to
 from sqla_proletarian.retry import RetryStrategy, as_retry_strategy
 from sqla_proletarian.serialization import Serializer
 from sqla_proletarian.values import Clock, check_aware
+from sqla_proletarian.workflows import Sweeper
 
 Outcome = Literal["succeeded", "retried", "failed"]
 RetryStrategyFn = Callable[[JobContext, Exception], RetryStrategy | None]
@@ -230,6 +231,8 @@ class RunnerBase:
         self._batch_size = 1 if self.dialect.claim_takes_write_lock else settings.batch_size
         #: The queues' limits, kept by every claim (``flow``).
         self._flow = FlowControl(engine, settings.queues, leases=settings.lease_seconds is not None)
+        #: Settles the ends that no settle counted (see ``sqla_proletarian.workflows``).
+        self._sweeper = Sweeper(self.dialect)
         self._set_up()
 
     #: Called in the claiming thread when a claim got jobs, before their handlers run (the
@@ -238,6 +241,11 @@ class RunnerBase:
 
     def _set_up(self) -> None:
         """The mode's own state (a subclass's)."""
+
+    def sweep(self, conn: Connection) -> None:
+        """Now and then, on the thread's claim connection outside a claim: count the ends
+        of jobs whose dependents were enqueued as they ended."""
+        self._sweeper.tick(conn, self.now())
 
     def now(self) -> datetime:
         return check_aware("clock()", self.settings.clock())

@@ -37,6 +37,9 @@ if TYPE_CHECKING:
 
 #: The NOTIFY channel; the payload is the queue name.
 CHANNEL = "sqla_proletarian"
+#: The channel a job's end is announced on when someone waits for it (``wait_for_result``);
+#: the payload is the job id.
+DONE_CHANNEL = "sqla_proletarian_done"
 
 #: Waits after an in-process wake-up, before the worker goes back to its polling interval.
 BURST = (0.005, 0.01, 0.02, 0.04)

@@ -1,0 +1,215 @@
+"""Workflows: a dependent job's rows, the settling of its dependencies' ends, the sweep.
+
+See ``sqla_proletarian.workflows`` for how they fit together.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any, cast
+
+from sqlalchemy import (
+    Executable,
+    String,
+    Table,
+    and_,
+    bindparam,
+    delete,
+    exists,
+    false,
+    func,
+    insert,
+    literal,
+    select,
+    true,
+    update,
+)
+
+from sqla_proletarian.models import WAIT_KIND, WAITING_AT, Dependency
+from sqla_proletarian.statements.base import _JOB_BY_ID, ARCHIVE, JOB, JOB_COLUMNS, Statement
+from sqla_proletarian.wakeups import DONE_CHANNEL
+
+DEPENDENCY = cast(Table, Dependency.__table__)
+
+#: A statement and its rows of parameters: an executemany.
+Many = tuple[Executable, list[dict[str, Any]]]
+
+_IDS = bindparam("ids", expanding=True, type_=JOB.c.job_id.type)
+
+# --- enqueueing a dependent ----------------------------------------------------------------
+
+_LIVE = select(JOB.c.job_id).where(JOB.c.job_id.in_(_IDS))
+_ENDED = select(ARCHIVE.c.job_id, ARCHIVE.c.status).where(ARCHIVE.c.job_id.in_(_IDS))
+
+
+def live_jobs(job_ids: Sequence[uuid.UUID]) -> Statement:
+    """Which of ``job_ids`` are in the queue (queued, waiting or running)."""
+    return _LIVE, {"ids": list(job_ids)}
+
+
+def ended_jobs(job_ids: Sequence[uuid.UUID]) -> Statement:
+    """The archive's status of those of ``job_ids`` that have ended."""
+    return _ENDED, {"ids": list(job_ids)}
+
+
+_INSERT_JOB = insert(JOB)
+_INSERT_DEPENDENCY = insert(DEPENDENCY)
+
+
+def insert_dependents(rows: list[dict[str, Any]]) -> Many:
+    """Enqueue jobs with dependencies (their rows carry ``waiting_on`` and ``due_at``)."""
+    return _INSERT_JOB, rows
+
+
+def insert_dependencies(rows: list[dict[str, Any]]) -> Many:
+    """A dependent's edges: ``job_id``, ``depends_on``, ``kind``, ``pending``."""
+    return _INSERT_DEPENDENCY, rows
+
+
+# --- settling the ends of jobs --------------------------------------------------------------
+
+# MySQL and MariaDB would rather scan a small table for ``IN (...)``, and lock every row it
+# reads: the locking reads name their index.
+_BY_DEPENDS_ON = "FORCE INDEX (ix_proletarian_dependency_depends_on)"
+_PENDING_ON = (
+    select(DEPENDENCY.c.job_id, DEPENDENCY.c.depends_on, DEPENDENCY.c.kind)
+    .where(DEPENDENCY.c.depends_on.in_(_IDS), DEPENDENCY.c.pending == true())
+    .order_by(DEPENDENCY.c.job_id, DEPENDENCY.c.depends_on)
+    .with_for_update()
+    .with_hint(DEPENDENCY, _BY_DEPENDS_ON, "mysql")
+    .with_hint(DEPENDENCY, _BY_DEPENDS_ON, "mariadb")
+)
+
+
+def pending_on(job_ids: Sequence[uuid.UUID]) -> Statement:
+    """The rows still waiting for the end of one of ``job_ids``, locked (in the order of
+    their key, so that two ends settling the same dependent take its locks in turn)."""
+    return _PENDING_ON, {"ids": list(job_ids)}
+
+
+_EDGE = and_(
+    DEPENDENCY.c.job_id == bindparam("b_job_id"),
+    DEPENDENCY.c.depends_on == bindparam("b_depends_on"),
+)
+_SETTLE = update(DEPENDENCY).where(_EDGE).values(pending=false())
+_DROP_WAIT = delete(DEPENDENCY).where(_EDGE)
+
+
+def _edges(edges: Sequence[tuple[uuid.UUID, uuid.UUID]]) -> list[dict[str, Any]]:
+    return [{"b_job_id": job_id, "b_depends_on": depends_on} for job_id, depends_on in edges]
+
+
+def settle_edges(edges: Sequence[tuple[uuid.UUID, uuid.UUID]]) -> Many:
+    """Mark rows ``(job_id, depends_on)`` settled: their end is counted."""
+    return _SETTLE, _edges(edges)
+
+
+def drop_waits(edges: Sequence[tuple[uuid.UUID, uuid.UUID]]) -> Many:
+    """Delete the rows of ``wait_for_result`` callers whose job has ended."""
+    return _DROP_WAIT, _edges(edges)
+
+
+_DONE = select(func.pg_notify(literal(DONE_CHANNEL), bindparam("job_id", type_=String)))
+
+
+def notify_done(job_id: uuid.UUID) -> Statement:
+    """PostgreSQL: tell the job's waiters it has ended, when the transaction commits."""
+    return _DONE, {"job_id": str(job_id)}
+
+
+# A dependent that runs already (put back by retry_failed) has waiting_on 0: not locked.
+_DEPENDENTS = (
+    select(*JOB_COLUMNS, JOB.c.waiting_on)
+    .where(JOB.c.job_id.in_(_IDS), JOB.c.waiting_on > 0)
+    .order_by(JOB.c.job_id)
+    .with_for_update()
+    .with_hint(JOB, _JOB_BY_ID, "mysql")
+    .with_hint(JOB, _JOB_BY_ID, "mariadb")
+)
+
+
+def lock_dependents(job_ids: Sequence[uuid.UUID]) -> Statement:
+    """The waiting ones of ``job_ids``, locked in id order."""
+    return _DEPENDENTS, {"ids": sorted(job_ids)}
+
+
+_COUNT_DOWN = (
+    update(JOB)
+    .where(JOB.c.job_id == bindparam("b_job_id"), JOB.c.waiting_on >= bindparam("ended"))
+    .values(waiting_on=JOB.c.waiting_on - bindparam("ended"))
+)
+
+
+def count_down(ended: dict[uuid.UUID, int]) -> Many:
+    """Take ``ended[job_id]`` ended dependencies off each waiting job's count."""
+    return _COUNT_DOWN, [{"b_job_id": job_id, "ended": n} for job_id, n in ended.items()]
+
+
+# ``process_at`` is set from ``due_at`` before ``due_at`` is cleared: MySQL applies a single
+# table UPDATE's assignments in order, the others all from the row as it was.
+_RELEASE = (
+    update(JOB)
+    .where(
+        JOB.c.job_id == bindparam("b_job_id"),
+        JOB.c.waiting_on == 0,
+        JOB.c.lease_token.is_(None),
+        JOB.c.process_at == bindparam("waiting_at", type_=JOB.c.process_at.type),
+    )
+    .ordered_values((JOB.c.process_at, JOB.c.due_at), (JOB.c.due_at, None))
+)
+
+
+def release(job_ids: Sequence[uuid.UUID]) -> Many:
+    """Make those of ``job_ids`` that wait on nothing any more due at their own time."""
+    return _RELEASE, [{"b_job_id": job_id, "waiting_at": WAITING_AT} for job_id in job_ids]
+
+
+# --- the sweep: ends that no settle counted --------------------------------------------------
+
+_STRANDED = (
+    select(DEPENDENCY.c.depends_on)
+    .where(
+        DEPENDENCY.c.pending == true(),
+        ~exists().where(JOB.c.job_id == DEPENDENCY.c.depends_on),
+    )
+    .distinct()
+    .limit(500)
+)
+
+
+def stranded() -> Statement:
+    """Ended jobs that still have rows waiting for their end: a dependent enqueued while its
+    dependency was ending, whose end could not see it (or a waiter's row that outlived it)."""
+    return _STRANDED, {}
+
+
+_WAITING_KINDS = DEPENDENCY.c.kind != WAIT_KIND
+_DEPENDENCIES_OF = (
+    select(DEPENDENCY.c.depends_on)
+    .where(DEPENDENCY.c.job_id == bindparam("job_id"), _WAITING_KINDS)
+    .order_by(DEPENDENCY.c.depends_on)
+)
+
+
+def dependencies_of(job_id: uuid.UUID) -> Statement:
+    """The ids a job depends on."""
+    return _DEPENDENCIES_OF, {"job_id": job_id}
+
+
+__all__ = [
+    "DEPENDENCY",
+    "count_down",
+    "dependencies_of",
+    "drop_waits",
+    "ended_jobs",
+    "insert_dependencies",
+    "insert_dependents",
+    "live_jobs",
+    "lock_dependents",
+    "notify_done",
+    "pending_on",
+    "release",
+    "settle_edges",
+    "stranded",
+]
