@@ -152,7 +152,8 @@ quickstart: venv
 # written to benchmarks/results.md; then lease mode's figures (bench-leases), then what an
 # idle worker costs (benchmarks.idle, under a minute), after what queue limits that never
 # bind cost a drain (benchmarks.limited_drain) and what dependencies cost a chain and a
-# fan-in of 1,000 jobs (benchmarks.workflows). bench-quick is the smoke run;
+# fan-in of 1,000 jobs (benchmarks.workflows, 2 rounds: about 4 minutes). bench-quick is
+# the smoke run;
 # BENCH_ARGS passes options (--only NAME,..., --rounds R, --jobs N), LEASES_ARGS those of
 # bench-leases, LIMITS_ARGS those of benchmarks.limited_drain, WORKFLOWS_ARGS those of
 # benchmarks.workflows, IDLE_ARGS those of benchmarks.idle.
@@ -162,7 +163,7 @@ bench bench-quick: venv
 	$(VENV)/bin/python -m benchmarks.run $(if $(filter bench-quick,$@),--quick) $(BENCH_ARGS)
 	$(VENV)/bin/python -m benchmarks.leases $(if $(filter bench-quick,$@),--quick) $(LEASES_ARGS)
 	$(VENV)/bin/python -m benchmarks.limited_drain $(if $(filter bench-quick,$@),--jobs 1000 --rounds 1) $(LIMITS_ARGS)
-	$(VENV)/bin/python -m benchmarks.workflows $(if $(filter bench-quick,$@),--jobs 200 --rounds 1) $(WORKFLOWS_ARGS)
+	$(VENV)/bin/python -m benchmarks.workflows $(if $(filter bench-quick,$@),--jobs 200 --rounds 1,--rounds 2) $(WORKFLOWS_ARGS)
 	$(VENV)/bin/python -m benchmarks.idle $(IDLE_ARGS)
 
 # Lease mode beside transaction mode: drains, polls and drains while a long job runs, the
