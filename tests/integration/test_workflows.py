@@ -427,3 +427,70 @@ def test_a_dependent_enqueued_while_its_dependency_ends_still_runs_once(
     with running(worker):
         assert wait_for(lambda: status_of(engine, dependent) == "success", 30)
     assert ran == ["first", "dependent"]
+
+
+# --- the asyncio worker, other isolation levels ------------------------------------------------
+
+
+@EACH_MODE
+def test_the_asyncio_worker_runs_a_fan_out_and_its_join_in_order(database: Any, mode: str) -> None:
+    """Three parts and a join, drained by the asyncio worker: the join starts last, once."""
+    engine = database.engine()
+    sp.metadata.create_all(engine)
+    with Session(engine) as session:
+        parts = sp.enqueue_many(session, [("part", 1), ("part", 2), ("part", 3)])
+        join = sp.enqueue(session, "join", depends_on=parts)
+        session.commit()
+    seen: list[tuple[str, float]] = []
+
+    async def handler(job: sp.AsyncJobContext) -> None:
+        seen.append((job.job_type, time.monotonic()))
+        await asyncio.sleep(0.05)
+        seen.append((f"{job.job_type}-end", time.monotonic()))
+
+    async def main() -> None:
+        url = database.url.set(drivername=ASYNC_DRIVERNAME[database.backend])
+        async_engine = create_async_engine(url)
+        try:
+            worker = sp.create_async_queue_worker(
+                async_engine,
+                handler,
+                handler_mode="advanced",
+                polling_interval=0.05,
+                concurrency=3,
+                **MODES[mode],
+            )
+            async with worker:
+                deadline = time.monotonic() + 30
+                while status_of(engine, join) != "success" and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+        finally:
+            await async_engine.dispose()
+
+    asyncio.run(main())
+    assert status_of(engine, join) == "success"
+    kinds = [kind for kind, _ in seen]
+    assert kinds.count("join") == 1 and kinds.count("part") == 3
+    join_start = next(at for kind, at in seen if kind == "join")
+    assert join_start >= max(at for kind, at in seen if kind == "part-end")
+
+
+@pytest.mark.parametrize("level", ["REPEATABLE READ", "SERIALIZABLE"])
+def test_an_enqueue_at_a_snapshot_isolation_level_waits_and_runs(database: Any, level: str) -> None:
+    """The caller's engine at REPEATABLE READ or SERIALIZABLE: the dependent is enqueued, waits,
+    and runs after its dependency."""
+    if database.backend == "sqlite":
+        pytest.skip("SQLite has no isolation levels to set")
+    engine = database.engine(isolation_level=level)
+    sp.metadata.create_all(engine)
+    with Session(engine) as session:
+        first = sp.enqueue(session, "first")
+        then = sp.enqueue(session, "then", depends_on=[first])
+        session.commit()
+    with Session(engine) as session:
+        later = sp.enqueue(session, "later", depends_on=[first, then])
+        session.commit()
+    ran: list[str] = []
+    run_all(engine, lambda job: ran.append(job.job_type), "transaction", handler_mode="advanced")
+    assert ran == ["first", "then", "later"]
+    assert status_of(engine, later) == "success"
