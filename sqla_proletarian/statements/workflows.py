@@ -69,6 +69,21 @@ def insert_dependencies(rows: list[dict[str, Any]]) -> Many:
 
 # --- settling the ends of jobs --------------------------------------------------------------
 
+
+def waiting_for(ids: Any) -> Any:
+    """How many rows wait for the end of the jobs ``ids`` (what ``depends_on =`` compares
+    with: an id's bind parameter, or ``ANY`` of an array's): PostgreSQL's archive
+    statements return it, so that an end with nothing waiting for it settles nothing, in no
+    statement of its own."""
+    return (
+        select(func.count())
+        .select_from(DEPENDENCY)
+        .where(DEPENDENCY.c.depends_on == ids, DEPENDENCY.c.pending == true())
+        .scalar_subquery()
+        .label("waiting")
+    )
+
+
 # MySQL and MariaDB would rather scan a small table for ``IN (...)``, and lock every row it
 # reads: the locking reads name their index.
 _BY_DEPENDS_ON = "FORCE INDEX (ix_proletarian_dependency_depends_on)"
@@ -212,4 +227,5 @@ __all__ = [
     "release",
     "settle_edges",
     "stranded",
+    "waiting_for",
 ]
