@@ -857,8 +857,10 @@ class LeaseRunner(RunnerBase):
                     error=describe(error) if error is not None else None,
                     upsert=self.dialect.archive_upsert,
                 )
-                archived = int(conn.execute(*statement).rowcount)
-                if archived:
+                result = conn.execute(*statement)
+                archived = int(result.rowcount)
+                # Its row tells whether any row waits for this end.
+                if archived and result.scalar():
                     workflows.settle(conn, {run.job_id: status}, self.dialect, self.now())
                 return archived
             statement = sql.end_lease(run.job_id, run.token, cancelling=cancelling)

@@ -28,6 +28,7 @@ from sqla_proletarian.values import (
     check_priority,
     check_unique_key,
 )
+from sqla_proletarian.workflows import OnDependencyFailure, check_depends_on
 
 if TYPE_CHECKING:
     from sqla_proletarian.enqueue import SessionOrConnection, Transaction
@@ -62,6 +63,9 @@ class EnqueueOptions:
     concurrency_key: Key = None
     process_at: datetime | None = None
     process_in: timedelta | float | None = None
+    #: The jobs a job of the task waits for (``enqueue``'s ``depends_on``).
+    depends_on: tuple[uuid.UUID, ...] = ()
+    on_dependency_failure: OnDependencyFailure = "cancel"
 
     def __post_init__(self) -> None:
         check_name("queue", self.queue)
@@ -143,6 +147,8 @@ class Task(Generic[P, R]):
             process_in=options.process_in,
             unique_key=options.key("unique_key", args, kwargs),
             concurrency_key=options.key("concurrency_key", args, kwargs),
+            depends_on=options.depends_on or None,
+            on_dependency_failure=options.on_dependency_failure,
         )
 
     def enqueue_many(
@@ -178,6 +184,8 @@ class Task(Generic[P, R]):
                 process_at=self.options.process_at,
                 process_in=self.options.process_in,
                 concurrency_key=key,
+                depends_on=self.options.depends_on or None,
+                on_dependency_failure=self.options.on_dependency_failure,
             )
             for n, job_id in zip(places, made, strict=True):
                 ids[n] = job_id
@@ -192,15 +200,22 @@ class Task(Generic[P, R]):
         queue: str = UNSET,
         unique_key: Key = UNSET,
         concurrency_key: Key = UNSET,
-        depends_on: object = None,
+        depends_on: Iterable[uuid.UUID] | None = UNSET,
+        on_dependency_failure: OnDependencyFailure = UNSET,
     ) -> Task[P, R]:
         """The same task (function, job type, retry, timeout) whose ``enqueue`` and
-        ``enqueue_many`` use these options instead of the task's own."""
-        if depends_on is not None:
-            raise ConfigurationError(
-                "depends_on: job dependencies are not supported yet; enqueue the next job "
-                "from the end of the first one's handler instead"
+        ``enqueue_many`` use these options instead of the task's own. ``depends_on`` and
+        ``on_dependency_failure`` as for ``sqla_proletarian.enqueue``: every job enqueued
+        through the returned task waits for those jobs."""
+        if depends_on is not UNSET or on_dependency_failure is not UNSET:
+            policy = (
+                self.options.on_dependency_failure
+                if on_dependency_failure is UNSET
+                else on_dependency_failure
             )
+            ids = self.options.depends_on if depends_on is UNSET else depends_on
+            depends_on = tuple(check_depends_on(ids, policy))
+            on_dependency_failure = policy
         given: dict[str, Any] = {
             "process_in": process_in,
             "process_at": process_at,
@@ -208,6 +223,8 @@ class Task(Generic[P, R]):
             "queue": queue,
             "unique_key": unique_key,
             "concurrency_key": concurrency_key,
+            "depends_on": depends_on,
+            "on_dependency_failure": on_dependency_failure,
         }
         options = replace(self.options, **{name: v for name, v in given.items() if v is not UNSET})
         return Task(self.fn, self.job_type, options, self.retry, self.timeout)

@@ -207,8 +207,8 @@ def test_with_options_overrides_the_tasks_defaults_even_for_same_named_parameter
         None,
         T0,
     )
-    with pytest.raises(sp.ConfigurationError, match="not supported yet"):
-        route.with_options(depends_on=[other])
+    with pytest.raises(sp.InvalidJobError, match="depends_on: item 0, 'not-an-id'"):
+        route.with_options(depends_on=["not-an-id"])
 
 
 def test_keys_may_be_functions_of_the_tasks_arguments(engine: sa.Engine) -> None:
