@@ -98,11 +98,19 @@ def test_prune_archive_keeps_a_job_a_queued_job_depends_on_and_forgets_pruned_gr
     engine: sa.Engine,
 ) -> None:
     clock = FakeClock()
-    first, _, third, fourth = a_graph(engine, clock)
+    first, second, third, fourth = a_graph(engine, clock)
     alone = enqueue(engine, "alone", clock)
+    with engine.begin() as conn:  # each job's progress, as set_progress leaves it
+        conn.execute(
+            sa.insert(PROGRESS),
+            [
+                {"job_id": job_id, "progress": 1.0, "message": "done", "updated_at": T0}
+                for job_id in (first, second, third, fourth, alone)
+            ],
+        )
 
     def handler(job_type: str, payload: Any) -> None:
-        sp.current_job().set_progress(1.0, "done")
+        pass
 
     for _ in range(3):  # first, second and alone
         assert sp.process_next_job(engine, handler, clock=clock)
@@ -121,7 +129,7 @@ def test_prune_archive_keeps_a_job_a_queued_job_depends_on_and_forgets_pruned_gr
         reports = set(conn.scalars(sa.select(PROGRESS.c.job_id)))
     # Pruned jobs' own rows are gone: third's edges (to first and second) and fourth's stay.
     assert edges == {(third,), (fourth,)}
-    assert reports == {third}
+    assert reports == {third, fourth}
 
     assert sp.process_next_job(engine, handler, clock=clock)  # fourth
     clock.advance(60 * 86400)
