@@ -100,6 +100,19 @@ PERIODIC_GRANTS: dict[str, list[Grant]] = {
 }
 #: What an enqueuing role needs besides for jobs with a unique key: reading the holder's id.
 UNIQUE_KEY_GRANTS: list[Grant] = [("SELECT (job_id, queue, unique_key)", "proletarian_job")]
+#: An enqueue with depends_on reads which dependencies are queued (their ids) and how the
+#: others ended (the archive's ids and statuses), and writes the dependent's rows.
+DEPENDS_ON_GRANTS: list[Grant] = [
+    ("SELECT (job_id)", "proletarian_job"),
+    ("SELECT (job_id, status)", "proletarian_archived_job"),
+    ("INSERT", "proletarian_dependency"),
+]
+#: And to archive a dependent of a failed job as cancelled at once (the archive's upsert).
+CANCELLED_AT_ONCE_GRANTS: list[Grant] = [
+    ("SELECT", "proletarian_archived_job"),
+    ("INSERT", "proletarian_archived_job"),
+    ("UPDATE", "proletarian_archived_job"),
+]
 ENQUEUER_GRANTS: dict[str, list[Grant]] = {
     # BIGSERIAL's nextval() needs USAGE on its sequence. A Session's flush of one job reads
     # back the server-made seq (INSERT ... RETURNING seq: one round trip, not a nextval()
@@ -460,6 +473,59 @@ def test_unique_keys_need_select_on_three_job_columns_and_each_is_needed(roles: 
         assert_refused(lambda: conn.execute(sa.select(sp.Job.__table__.c.payload)))
     enqueuer.revoke(UNIQUE_KEY_GRANTS[0])
     assert_refused(lambda: enqueue_keyed(enqueuer))
+
+
+def enqueue_dependents(enqueuer: Role, engine: sa.Engine) -> None:
+    """Dependents of a queued job and of an archived one, by a Session and a Connection."""
+    queued = enqueue_both_ways(enqueuer, "deps-before")[0]
+    with Session(engine) as session:
+        done = sp.enqueue(session, "done", queue="deps-done")
+        session.commit()
+    while sp.process_next_job(engine, lambda t, p: None, queue="deps-done"):
+        pass
+    with Session(enqueuer.engine) as session:
+        sp.enqueue(session, "after", queue="deps", depends_on=[queued, done])
+        session.commit()
+    with enqueuer.engine.begin() as conn:
+        sp.enqueue_many(conn, [("after", 1), ("after", 2)], queue="deps", depends_on=[queued])
+
+
+def test_dependencies_need_the_documented_grants_and_each_of_them(
+    roles: Roles, engine: sa.Engine
+) -> None:
+    """An enqueue-only role enqueues jobs with depends_on given the dependency grants
+    besides; take away any one and the server refuses; payloads stay unreadable."""
+    enqueuer = roles.make("enqueuer", ENQUEUER_GRANTS[roles.backend] + DEPENDS_ON_GRANTS)
+    enqueue_dependents(enqueuer, engine)
+    with enqueuer.engine.connect() as conn:
+        assert_refused(lambda: conn.execute(sa.select(sp.Job.__table__.c.payload)))
+    for grant in DEPENDS_ON_GRANTS:
+        enqueuer.revoke(grant)
+        try:
+            assert_refused(lambda: enqueue_dependents(enqueuer, engine))
+        finally:
+            enqueuer.grant(grant)
+    # A dependent of a failed job is archived as cancelled at once: the archive's upsert.
+    with Session(engine) as session:
+        failed = sp.enqueue(session, "fails", queue="deps-failed")
+        session.commit()
+
+    def fail(job_type: str, payload: Any) -> None:
+        raise ValueError("fails")
+
+    sp.process_next_job(engine, fail, queue="deps-failed", retry_strategy=lambda job, exc: None)
+
+    def after_failed() -> uuid.UUID:
+        with enqueuer.engine.begin() as conn:
+            return sp.enqueue(conn, "after", queue="deps", depends_on=[failed])
+
+    assert_refused(after_failed)
+    for grant in CANCELLED_AT_ONCE_GRANTS:
+        enqueuer.grant(grant)
+    cancelled = after_failed()
+    with Session(engine) as session:
+        row = session.get(sp.ArchivedJob, cancelled)
+        assert row is not None and row.status == "cancelled"
 
 
 def test_a_worker_with_periodic_jobs_needs_the_documented_grants_and_each_of_them(
