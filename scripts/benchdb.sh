@@ -10,13 +10,14 @@
 # the disk (PostgreSQL fsync, synchronous_commit and full_page_writes on; MariaDB
 # innodb_flush_log_at_trx_commit=1 with the doublewrite buffer), as in production.
 # State lives in ${SP_BENCHDB_DIR:-/tmp/sqla-proletarian-benchdb}; the servers listen
-# on 127.0.0.1 only (PostgreSQL 55442, MariaDB 53316; SP_BENCHDB_PG_PORT and SP_BENCHDB_MY_PORT
+# on 127.0.0.1 only (PostgreSQL 25442, MariaDB 23316: below the ephemeral ports, which a
+# client socket may hold; SP_BENCHDB_PG_PORT and SP_BENCHDB_MY_PORT
 # move them), apart from the test servers.
 set -euo pipefail
 
 STATE="${SP_BENCHDB_DIR:-/tmp/sqla-proletarian-benchdb}"
-PG_PORT="${SP_BENCHDB_PG_PORT:-55442}"
-MY_PORT="${SP_BENCHDB_MY_PORT:-53316}"
+PG_PORT="${SP_BENCHDB_PG_PORT:-25442}"
+MY_PORT="${SP_BENCHDB_MY_PORT:-23316}"
 
 PG_DIR="$STATE/pg"        # data dir: $PG_DIR/data, socket dir: $PG_DIR
 MY_DIR="$STATE/mariadb"   # data dir: $MY_DIR/data, socket/pid/log in $MY_DIR

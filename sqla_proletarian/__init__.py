@@ -7,6 +7,7 @@ from sqla_proletarian.enqueue import enqueue, enqueue_many
 from sqla_proletarian.errors import (
     ConfigurationError,
     InvalidJobError,
+    InvalidProgressError,
     InvalidRetryStrategyError,
     JobCrashedError,
     JobFailedError,
@@ -106,6 +107,7 @@ __all__ = [
     "FailedJob",
     "FinishedMinute",
     "InvalidJobError",
+    "InvalidProgressError",
     "InvalidRetryStrategyError",
     "Job",
     "JobContext",

@@ -59,6 +59,7 @@ from sqla_proletarian.options import (
 )
 from sqla_proletarian.periodic import PeriodicJob
 from sqla_proletarian.polling import Backoff, Idle, Poll, Polling, Stop
+from sqla_proletarian.progress import DEFAULT_PROGRESS_INTERVAL
 from sqla_proletarian.running import RUNNING_SIGNAL, Outcome, RunSettings
 from sqla_proletarian.serialization import DEFAULT_SERIALIZER, Serializer
 from sqla_proletarian.values import (
@@ -752,6 +753,7 @@ def create_async_queue_worker(
     lease_seconds: float | None = None,
     heartbeat_interval: float | None = None,
     job_timeout: float | None = None,
+    progress_interval: float = DEFAULT_PROGRESS_INTERVAL,
     max_result_bytes: int | None = DEFAULT_MAX_RESULT_BYTES,
     worker_threads: None = None,
     install_signal_handlers: None = None,

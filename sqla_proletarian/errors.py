@@ -54,6 +54,11 @@ class InvalidRetryStrategyError(ProletarianError, ValueError):
     """A RetryStrategy, or what a retry strategy function returned, is not valid."""
 
 
+class InvalidProgressError(ProletarianError, ValueError):
+    """``job.set_progress`` was given a fraction that is not a number from 0 to 1, or a
+    message that is not a string; nothing was reported."""
+
+
 class ConfigurationError(ProletarianError, ValueError):
     """A worker option is not valid."""
 

@@ -433,19 +433,22 @@ class JobRunner(RunnerBase):
             returning=self.dialect.deletes_runs_with_job,
             force_index=force_index,
         )
-        counted = [direct.execute(conn, *statement).rowcount for statement in statements]
+        results = [direct.execute(conn, *statement) for statement in statements]
         # The job rows the archive insert read (PostgreSQL) or the job delete removed.
-        removed = counted[0] if len(counted) == 1 else counted[1]
+        removed = results[0 if len(results) == 1 else 1].rowcount
         if removed != len(succeeded):
             raise JobTransactionLostError(
                 f"{len(succeeded) - removed} of the claim's {len(succeeded)} job rows were "
                 "gone when their success was recorded: the claim lost its row locks"
             )
-        results = {
+        # PostgreSQL's one statement tells whether any row waits for these ends.
+        if len(results) > 1 or any(row[0] for row in results[0]):
+            workflows.settle(conn, dict.fromkeys(succeeded, "success"), self.dialect, self.now())
+        stored = {
             c.job["job_id"]: c.result for c, _, _ in done if c.deferred and c.result is not None
         }
-        if results:
-            direct.execute(conn, *sql.set_results(results))
+        if stored:
+            direct.execute(conn, *sql.set_results(stored))
         workflows.settle(conn, dict.fromkeys(succeeded, "success"), self.dialect, self.now())
 
     def _claim(

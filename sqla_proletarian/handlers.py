@@ -24,6 +24,7 @@ from sqla_proletarian.errors import (
     NoCurrentJobError,
     UnknownJobTypeError,
 )
+from sqla_proletarian.progress import ProgressWriter, check_progress
 from sqla_proletarian.tasks import EnqueueOptions, Key, Retry, Task, new_task
 from sqla_proletarian.values import DEFAULT_PRIORITY, DEFAULT_QUEUE
 
@@ -223,6 +224,21 @@ class _ClaimedJob:
     attempts: int
     enqueued_at: datetime
     process_at: datetime
+    #: Where ``set_progress`` reports go: the worker's writer (None: reports are checked only).
+    progress_writer: ProgressWriter | None = field(
+        default=None, kw_only=True, repr=False, compare=False
+    )
+
+    def set_progress(self, fraction: float, message: str | None = None) -> None:
+        """Report how far the job has come: ``fraction`` from 0 to 1 and an optional
+        ``message`` (cut to ``progress.MAX_MESSAGE_CHARS`` characters). Returns at once: the
+        worker writes it on a connection of its own, committed at once, at most once per
+        ``progress_interval`` (the latest report wins) and when the handler returns; see
+        docs/guide/progress.md. Raises InvalidProgressError for a bad fraction or message."""
+        if self.progress_writer is None:
+            check_progress(fraction, message)
+        else:
+            self.progress_writer.report(self.job_id, fraction, message)
 
     @property
     def dependency_results(self) -> dict[uuid.UUID, Any]:

@@ -15,7 +15,7 @@ import json
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -26,6 +26,7 @@ from sqla_proletarian import statements as sql
 from sqla_proletarian.dialects import Dialect, dialect_of
 from sqla_proletarian.errors import ConfigurationError, ProletarianError
 from sqla_proletarian.limits import QueueLimits, read_limits
+from sqla_proletarian.statements import progress as graph
 from sqla_proletarian.values import Clock, check_name, utc_now
 
 __all__ = [
@@ -72,7 +73,10 @@ class QueueStatus:
     handlers (a type no worker ran in the last hour is not flagged); ``limits``: the
     queue's limits (``sp.set_queue_limits``), None when it has none; ``waiting``: of a
     queue with limits, its ready jobs, each waiting for room under the limits (or for a
-    free worker), never failed for it; None for a queue without limits.
+    free worker), never failed for it; None for a queue without limits;
+    ``waiting_on_dependencies``: its jobs waiting for their dependencies to end (state
+    ``waiting``, enqueued with ``depends_on``), counted in none of the other counts but
+    ``by_priority``.
     """
 
     queue: str
@@ -88,6 +92,7 @@ class QueueStatus:
     unhandled_job_types: tuple[str, ...] = ()
     limits: QueueLimits | None = None
     waiting: int | None = None
+    waiting_on_dependencies: int = 0
 
 
 @dataclass(frozen=True)
@@ -158,6 +163,7 @@ def queue_status(bind: Engine | Connection, *, clock: Clock = utc_now) -> list[Q
             jobs = int(row.due) + int(row.scheduled) + int(row.leased) + int(row.expired)
             by_priority.setdefault(row.queue, {})[-int(row.run_order)] = jobs
         finished = {row.queue: row for row in conn.execute(*sql.finished_counts(now - RECENT))}
+        waiting = {row.queue: int(row.jobs) for row in conn.execute(*graph.waiting_counts())}
         unhandled = _unhandled_types(conn, now - RECENT)
         paused = set(conn.execute(*sql.paused_names()).scalars())
         limits = read_limits(conn)
@@ -182,7 +188,7 @@ def queue_status(bind: Engine | Connection, *, clock: Clock = utc_now) -> list[Q
                 QueueStatus(
                     queue=queue,
                     ready=ready,
-                    scheduled=tally.scheduled,
+                    scheduled=tally.scheduled - waiting.get(queue, 0),
                     running=busy + tally.leased,
                     oldest_ready_age_s=age,
                     succeeded_last_hour=int(finished[queue].succeeded) if queue in finished else 0,
@@ -193,6 +199,7 @@ def queue_status(bind: Engine | Connection, *, clock: Clock = utc_now) -> list[Q
                     unhandled_job_types=unhandled.get(queue, ()),
                     limits=limits.get(queue),
                     waiting=ready if queue in limits else None,
+                    waiting_on_dependencies=waiting.get(queue, 0),
                 )
             )
     return statuses
@@ -292,9 +299,10 @@ def _advisory_tag(owner: str) -> tuple[int, int] | None:
 # --- browsing jobs: keyset pages, one job by id, what finished minute by minute -------------
 
 #: The states a job can be listed by: in the queue (``ready``: due and not running, expired
-#: leases included; ``scheduled``: due later; ``running``: claimed by a live worker, in a
+#: leases included; ``scheduled``: due later; ``waiting``: waiting for its dependencies to
+#: end, enqueued with ``depends_on``; ``running``: claimed by a live worker, in a
 #: transaction or under a live lease) or in the archive.
-JOB_STATES = ("ready", "scheduled", "running", "succeeded", "failed", "cancelled")
+JOB_STATES = ("ready", "scheduled", "waiting", "running", "succeeded", "failed", "cancelled")
 #: How many jobs ``list_jobs`` returns unless told otherwise, and the most at once.
 DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 1000
@@ -321,6 +329,11 @@ class JobInfo:
 
     ``concurrency_key`` is the key its queue's per-key limits count it by (None: none), and
     ``snoozes`` how often its handler raised ``Snooze`` (runs that took no attempt).
+
+    Its graph: ``depends_on``, the ids of the jobs it was enqueued to depend on, and
+    ``dependents``, the ids of the jobs depending on it (both empty for most jobs; a waiting
+    job's ``process_at`` is its own due time). ``progress`` and ``progress_message``: what
+    its handler last reported with ``job.set_progress`` (None before any report).
     """
 
     job_id: uuid.UUID
@@ -339,6 +352,10 @@ class JobInfo:
     lease_expired: bool = field(default=False, kw_only=True)
     concurrency_key: str | None = field(default=None, kw_only=True)
     snoozes: int = field(default=0, kw_only=True)
+    depends_on: list[uuid.UUID] = field(default_factory=list, kw_only=True)
+    dependents: list[uuid.UUID] = field(default_factory=list, kw_only=True)
+    progress: float | None = field(default=None, kw_only=True)
+    progress_message: str | None = field(default=None, kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -411,7 +428,7 @@ def list_jobs(
                 _ARCHIVED_STATES[state], limit + 1, queue=queue, job_type=job_type, after=key
             )
             rows = conn.execute(*statement).all()
-            jobs = [_archived_info(row) for row in rows[:limit]]
+            jobs = _with_graphs(conn, [_archived_info(row) for row in rows[:limit]])
             more = len(rows) > limit
             last = (jobs[-1].finished_at, jobs[-1].job_id) if more else None
             return JobPage(tuple(jobs), _write_cursor(last) if last else None)
@@ -420,9 +437,9 @@ def list_jobs(
         if state == "running":
             found = _running_rows(conn, now, live, queue, job_type, key, limit + 1)
         else:
-            found = _queued_rows(conn, state == "ready", now, live, queue, job_type, key, limit)
-    rows = found[:limit]
-    queued = [_queued_info(row, state, now) for row in rows]
+            found = _queued_rows(conn, state, now, live, queue, job_type, key, limit)
+        rows = found[:limit]
+        queued = _with_graphs(conn, [_queued_info(row, state, now) for row in rows])
     more = len(found) > limit
     last_row = rows[-1] if more else None
     order = _running_key if state == "running" else _queued_key
@@ -449,18 +466,20 @@ def get_job(
             archived = conn.execute(*sql.archived_job(wanted)).one_or_none()
             if archived is None:
                 return None
-            info = vars(_archived_info(archived))
-            return JobDetail(**info, payload=archived.payload, history=history)
+            [info] = _with_graphs(conn, [_archived_info(archived)])
+            return JobDetail(**vars(info), payload=archived.payload, history=history)
         now = clock()
         owners = {run.owner for run in conn.execute(*sql.runs_of(wanted))}
-        if row.lease_token is not None:
+        if row.waiting_on > 0:
+            state = "waiting"
+        elif row.lease_token is not None:
             state = "running" if row.process_at > now else "ready"
         elif _live_owners(dialect_of(conn), conn, owners):
             state = "running"
         else:
             state = "ready" if row.process_at <= now else "scheduled"
-    info = vars(_queued_info(row, state, now))
-    return JobDetail(**info, payload=row.payload, history=history)
+        [info] = _with_graphs(conn, [_queued_info(row, state, now)])
+    return JobDetail(**vars(info), payload=row.payload, history=history)
 
 
 def finished_per_minute(
@@ -494,7 +513,7 @@ def _run_owners(conn: Connection) -> set[str | None]:
 
 def _queued_rows(
     conn: Connection,
-    due: bool,
+    state: str,
     now: datetime,
     live: list[str],
     queue: str | None,
@@ -505,6 +524,7 @@ def _queued_rows(
     """Up to ``limit`` + 1 queued rows from ``key`` on: one queue, or queue after queue,
     each read through the poll index from where the key (or the queue) starts."""
     rows: list[Any] = []
+    due = state == "ready"
     current = queue if queue is not None else (key[0] if key else _next_queue(conn, None))
     after = (key[1], key[2], key[3]) if key and key[0] == current else None
     while current is not None and len(rows) <= limit:
@@ -520,6 +540,7 @@ def _queued_rows(
                 due=due,
                 job_type=job_type,
                 live_owners=live if due else None,
+                waiting=state == "waiting",
                 **where,
             )
             rows.extend(conn.execute(*statement).all())
@@ -571,12 +592,39 @@ def _running_key(row: Any) -> tuple[str, int, datetime, int]:
 
 
 def _due_time(row: Any) -> datetime:
-    """A queued job's own due time: while leased, ``process_at`` is the lease's expiry."""
-    if row.lease_token is not None and row.due_at is not None:
+    """A queued job's own due time: while leased, ``process_at`` is the lease's expiry, and
+    while it waits for its dependencies, ``WAITING_AT``."""
+    waiting = row._mapping.get("waiting_on", 0) > 0
+    if (waiting or row.lease_token is not None) and row.due_at is not None:
         due: datetime = row.due_at
         return due
     at: datetime = row.process_at
     return at
+
+
+def _with_graphs(conn: Connection, jobs: list[JobInfo]) -> list[JobInfo]:
+    """``jobs`` with their dependencies, dependents and progress (three reads by key for
+    the whole list)."""
+    ids = [job.job_id for job in jobs]
+    if not ids:
+        return jobs
+    depends_on: dict[uuid.UUID, list[uuid.UUID]] = {}
+    for row in conn.execute(*graph.dependencies_of(ids)):
+        depends_on.setdefault(row.job_id, []).append(row.depends_on)
+    dependents: dict[uuid.UUID, list[uuid.UUID]] = {}
+    for row in conn.execute(*graph.dependents_of(ids)):
+        dependents.setdefault(row.depends_on, []).append(row.job_id)
+    progress = {row.job_id: row for row in conn.execute(*graph.progress_of_many(ids))}
+    return [
+        replace(
+            job,
+            depends_on=depends_on.get(job.job_id, []),
+            dependents=dependents.get(job.job_id, []),
+            progress=progress[job.job_id].progress if job.job_id in progress else None,
+            progress_message=progress[job.job_id].message if job.job_id in progress else None,
+        )
+        for job in jobs
+    ]
 
 
 def _queued_info(row: Any, state: str, now: datetime) -> JobInfo:

@@ -847,7 +847,7 @@ class LeaseRunner(RunnerBase):
         the run's token (and, but for a cancel, has no cancel request), and archived."""
         attempts = run.job["attempts"] + 1
         cancelling = status == "cancelled"
-        result = run.result if status == "success" else None
+        stored = run.result if status == "success" else None
 
         def remove_and_archive(conn: Connection) -> int:
             if self.dialect.deletes_runs_with_job and not run.had_runs:
@@ -860,17 +860,19 @@ class LeaseRunner(RunnerBase):
                     finished_at=self.now(),
                     error=describe(error) if error is not None else None,
                     upsert=self.dialect.archive_upsert,
-                    result=result,
+                    result=stored,
                 )
-                archived = int(conn.execute(*statement).rowcount)
-                if archived:
+                result = conn.execute(*statement)
+                archived = int(result.rowcount)
+                # Its row tells whether any row waits for this end.
+                if archived and result.scalar():
                     workflows.settle(conn, {run.job_id: status}, self.dialect, self.now())
                 return archived
             statement = sql.end_lease(run.job_id, run.token, cancelling=cancelling)
             removed = conn.execute(*statement).rowcount
             if removed:
                 self._archive(
-                    conn, run.job, status, attempts, error, with_runs=run.had_runs, result=result
+                    conn, run.job, status, attempts, error, with_runs=run.had_runs, result=stored
                 )
             return int(removed)
 

@@ -28,6 +28,7 @@ from sqla_proletarian.enqueue import Transaction, _connection_of
 from sqla_proletarian.errors import ConfigurationError, InvalidJobError, ProletarianError
 from sqla_proletarian.logs import log_event
 from sqla_proletarian.models import JOB_TABLE, UNIQUE_KEY_INDEX, Status
+from sqla_proletarian.statements import progress as graph
 from sqla_proletarian.unique import insert_or_nothing
 from sqla_proletarian.values import Clock, check_name, utc_now
 
@@ -65,7 +66,9 @@ def prune_archive(
     Rows go in transactions of at most ``batch_size`` that each commit on their own, oldest
     first, until a batch comes back short; workers archive meanwhile without waiting. A job
     archived again since its batch was read (its id enqueued anew) is kept. A pruned job's
-    history (its earlier failures, kept by ``retry_failed``) goes with it. If a batch fails,
+    history (its earlier failures, kept by ``retry_failed``), its dependency rows (as a
+    dependent) and its progress go with it. A job that a queued job (waiting, or not run
+    yet) depends on is kept, its end and result still needed. If a batch fails,
     the batches before it stay deleted: call it again. Logs ``archive-pruned`` with the count.
     """
     _check_engine(engine)
@@ -84,12 +87,17 @@ def prune_archive(
             rows = conn.execute(
                 *sql.archived_batch(cutoff, batch_size, status=status, after=after)
             ).all()
-            if rows:
-                job_ids = [row.job_id for row in rows]
+            # A job a queued job depends on is kept: its end or result is still needed.
+            read = [row.job_id for row in rows]
+            needed = set(conn.execute(*graph.still_needed(read)).scalars()) if read else set()
+            job_ids = [job_id for job_id in read if job_id not in needed]
+            if job_ids:
                 result = conn.execute(*sql.delete_archived(job_ids, cutoff, status=status))
                 deleted += result.rowcount
                 if result.rowcount:
                     conn.execute(*sql.delete_history(job_ids))
+                    for statement in graph.forget_pruned(job_ids):
+                        conn.execute(*statement)
             conn.commit()
             batches += 1
             if len(rows) < batch_size:

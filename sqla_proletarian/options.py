@@ -12,6 +12,7 @@ from sqla_proletarian.errors import ConfigurationError
 from sqla_proletarian.leases import check_lease_settings, check_task_timeouts
 from sqla_proletarian.models import DEFAULT_QUEUE
 from sqla_proletarian.periodic import PeriodicJob, check_periodic_jobs
+from sqla_proletarian.progress import DEFAULT_PROGRESS_INTERVAL
 from sqla_proletarian.results import DEFAULT_MAX_RESULT_BYTES as DEFAULT_MAX_RESULT_BYTES
 from sqla_proletarian.results import check_max_result_bytes
 from sqla_proletarian.running import FailedJobHandler, RetryStrategyFn, RunSettings
@@ -69,6 +70,7 @@ class WorkerOptions:
     lease_seconds: float | None = None
     heartbeat_interval: float | None = None
     job_timeout: float | None = None
+    progress_interval: float = DEFAULT_PROGRESS_INTERVAL
     max_result_bytes: int | None = DEFAULT_MAX_RESULT_BYTES
 
     def __post_init__(self) -> None:
@@ -85,6 +87,7 @@ class WorkerOptions:
         _positive("polling_interval", self.polling_interval)
         _non_negative("await_termination_timeout", self.await_termination_timeout)
         _non_negative("reconnect_grace", self.reconnect_grace)
+        _non_negative("progress_interval", self.progress_interval)
         if self.handler_mode not in ("default", "advanced"):
             raise ConfigurationError(
                 f"handler_mode is {self.handler_mode!r}; use 'default' for "
@@ -160,6 +163,7 @@ class WorkerOptions:
             lease_seconds=self.lease_seconds,
             heartbeat_interval=self.heartbeat_interval,
             job_timeout=self.job_timeout,
+            progress_interval=self.progress_interval,
             max_result_bytes=self.max_result_bytes,
             **tasks,
         )

@@ -44,6 +44,7 @@ from sqla_proletarian.handlers import (
     worker_reads,
 )
 from sqla_proletarian.logs import finished_logger, log_event, log_to
+from sqla_proletarian.progress import DEFAULT_PROGRESS_INTERVAL, ProgressWriter
 from sqla_proletarian.retry import RetryStrategy, as_retry_strategy
 from sqla_proletarian.serialization import Serializer
 from sqla_proletarian.values import Clock, check_aware
@@ -94,6 +95,8 @@ class RunSettings:
     task_retries: dict[str, RetryStrategyFn] = field(default_factory=dict)
     #: Lease mode: the timeouts of job types whose tasks have their own.
     task_timeouts: dict[str, float] = field(default_factory=dict)
+    #: Seconds between two writes of a running job's progress (``job.set_progress``).
+    progress_interval: float = DEFAULT_PROGRESS_INTERVAL
     #: The longest result stored, in bytes of its serialized text (None: no limit).
     max_result_bytes: int | None = results.DEFAULT_MAX_RESULT_BYTES
 
@@ -239,6 +242,15 @@ class RunnerBase:
         self._batch_size = 1 if self.dialect.claim_takes_write_lock else settings.batch_size
         #: The queues' limits, kept by every claim (``flow``).
         self._flow = FlowControl(engine, settings.queues, leases=settings.lease_seconds is not None)
+        #: Writes the handlers' ``set_progress`` reports (SQLite in transaction mode: once
+        #: the handler has returned, its transaction holding the write lock until then).
+        self.progress = ProgressWriter(
+            engine,
+            settings.progress_interval,
+            settings.clock,
+            after_end_only=self.dialect.claim_takes_write_lock and settings.lease_seconds is None,
+            spawn=spawn,
+        )
         #: Settles the ends that no settle counted (see ``sqla_proletarian.workflows``).
         self._sweeper = Sweeper(self.dialect)
         self._set_up()
@@ -318,6 +330,7 @@ class RunnerBase:
             process_at=job.get("due_at") or job["process_at"],
             session=session,
             cancel_requested=cancel_requested or StopSignal(),
+            progress_writer=self.progress,
             _read_dependencies=read_dependencies,
         )
 
@@ -337,6 +350,7 @@ class RunnerBase:
                 result = self.settings.handler(context)
         finally:
             RUNNING_SIGNAL.reset(running)
+            self.progress.ended(context.job_id)
         _check_result(result)
         return self._stored(context.job_id, result)
 
@@ -349,13 +363,23 @@ class RunnerBase:
         job_id: Any = None,
     ) -> str | None:
         """Call a handler of ``(job_type, payload)``; ``current_job()`` makes its context
-        with ``context_of``. Its return value as the archive stores it (see ``_stored``)."""
+        with ``context_of``. A context made there has its last progress report written. Its
+        return value as the archive stores it (see ``_stored``)."""
+        made: list[JobContext] = []
+
+        def made_once() -> JobContext:
+            if not made:
+                made.append(context_of())
+            return made[0]
+
         running = RUNNING_SIGNAL.set(signal)
         try:
-            with running_job(context_of):
+            with running_job(made_once):
                 result = self.settings.handler(job_type, payload)
         finally:
             RUNNING_SIGNAL.reset(running)
+            if made:
+                self.progress.ended(made[0].job_id)
         _check_result(result)
         return self._stored(job_id, result)
 

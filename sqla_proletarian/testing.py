@@ -121,6 +121,7 @@ def drain(
     except _LimitReached:
         raise DrainLimitError(max_runs) from None
     finally:
+        runner.progress.wait_written()  # the jobs' last progress reports are stored
         runner.close()
     return runs
 

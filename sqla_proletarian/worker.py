@@ -48,6 +48,7 @@ from sqla_proletarian.polling import (
     Polling,
     Stop,
 )
+from sqla_proletarian.progress import DEFAULT_PROGRESS_INTERVAL
 from sqla_proletarian.running import FailedJobHandler, Outcome, RetryStrategyFn
 from sqla_proletarian.serialization import DEFAULT_SERIALIZER, Serializer
 from sqla_proletarian.values import DEFAULT_QUEUE, Clock, utc_now
@@ -60,6 +61,7 @@ __all__ = [
     "DEFAULT_MAX_RESULT_BYTES",
     "DEFAULT_MAX_UNCLEAN_ENDS",
     "DEFAULT_POLLING_INTERVAL",
+    "DEFAULT_PROGRESS_INTERVAL",
     "DEFAULT_RECONNECT_GRACE",
     "DEFAULT_WORKER_THREADS",
     "EXIT_JOBS_UNFINISHED",
@@ -645,6 +647,7 @@ def create_queue_worker(
     lease_seconds: float | None = None,
     heartbeat_interval: float | None = None,
     job_timeout: float | None = None,
+    progress_interval: float = DEFAULT_PROGRESS_INTERVAL,
     max_result_bytes: int | None = DEFAULT_MAX_RESULT_BYTES,
 ) -> QueueWorker:
     """A QueueWorker for ``engine`` that runs ``handler``; call ``.start()`` to begin.
@@ -677,8 +680,11 @@ def create_queue_worker(
     between renewals of the worker's leases, ``lease_seconds / 3``) and ``job_timeout``
     (lease mode: seconds after which a running job is failed with JobTimeoutError, retried
     per the retry strategy, and its handler asked to stop through ``job.cancel_requested``),
-    ``max_result_bytes`` (1 MiB: the longest handler result stored, serialized; a longer one
-    fails the job with ResultTooLargeError; None: no limit).
+    ``progress_interval`` (1 s: the least time between two writes of a running job's
+    ``job.set_progress`` reports; the reports in between keep only the latest, written
+    when the interval has passed or the handler returns) and ``max_result_bytes`` (1 MiB:
+    the longest handler result stored, serialized; a longer one fails the job with
+    ResultTooLargeError; None: no limit).
 
     A worker runs once: ``start()`` after a stop raises ConfigurationError. ``stop()`` starts
     no job from the moment it is called, may be called more than once and from any thread
@@ -702,4 +708,8 @@ def process_next_job(engine: Engine, handler: Callable[..., Any], **options: Any
     ``job_timeout``, ``max_result_bytes``). Database errors are raised to the caller.
     """
     settings = WorkerOptions.from_kwargs(options).run_settings(handler)
-    return new_runner(engine, settings).process_one()
+    runner = new_runner(engine, settings)
+    try:
+        return runner.process_one()
+    finally:
+        runner.progress.wait_written()

@@ -339,10 +339,10 @@ class Sweeper:
     waiters) no settle counted: an enqueue that read its dependency as running, while that
     dependency's end was committing. It settles them as their end would have."""
 
-    def __init__(self, dialect: Dialect, interval: float = SWEEP_INTERVAL) -> None:
+    def __init__(self, dialect: Dialect, interval: float | None = None) -> None:
         self.dialect = dialect
-        self.interval = interval
-        self._next_look = time.monotonic() + interval / 2
+        self.interval = SWEEP_INTERVAL if interval is None else interval
+        self._next_look = time.monotonic() + self.interval / 2
         self._lock = threading.Lock()
 
     def tick(self, conn: Connection, now: datetime) -> int:

@@ -60,13 +60,21 @@ def status(args: argparse.Namespace) -> int:
         "READY",
         "SCHEDULED",
         "RUNNING",
+        "WAITING ON DEPS",
         "OLDEST READY",
         "SUCCEEDED 1H",
         "FAILED 1H",
         "PAUSED",
         "BY PRIORITY",
     )
-    counts = ("ready", "scheduled", "running", "oldest_ready_age_s", "succeeded_last_hour")
+    counts = (
+        "ready",
+        "scheduled",
+        "running",
+        "waiting_on_dependencies",
+        "oldest_ready_age_s",
+        "succeeded_last_hour",
+    )
     table = [
         [
             q.queue,
@@ -131,7 +139,7 @@ def jobs(args: argparse.Namespace) -> int:
 
 
 #: What ``jobs`` lists without ``--state``: the jobs in the queue, in these states' order.
-QUEUED_STATES = ("running", "ready", "scheduled")
+QUEUED_STATES = ("running", "ready", "scheduled", "waiting")
 
 
 def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
@@ -140,6 +148,8 @@ def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _json_value(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_json_value(item) for item in value]
     if isinstance(value, uuid.UUID):
         return str(value)
     return _iso(value) if isinstance(value, datetime) else value
@@ -221,7 +231,8 @@ JOBS_ARGUMENTS = (
     arg(
         "--state",
         choices=JOB_STATES,
-        help="only jobs in this state (default: the queued ones: running, ready, scheduled)",
+        help="only jobs in this state (default: the queued ones: running, ready, scheduled, "
+        "waiting)",
     ),
     arg("--job-type", help="only this job type"),
     arg(
@@ -233,7 +244,8 @@ JOBS_ARGUMENTS = (
     arg(
         "--json",
         action="store_true",
-        help="a JSON list of jobs: job_id, queue, job_type, state, attempts, enqueued_at, ...",
+        help="a JSON list of jobs: job_id, queue, job_type, state, attempts, enqueued_at, "
+        "..., depends_on, dependents, progress, progress_message",
     ),
 )
 RETRY_ARGUMENTS = (

@@ -40,6 +40,7 @@ from sqla_proletarian.options import (
     DEFAULT_RECONNECT_GRACE,
     WorkerOptions,
 )
+from sqla_proletarian.progress import DEFAULT_PROGRESS_INTERVAL
 from sqla_proletarian.retry import RetryStrategy
 from sqla_proletarian.running import RetryStrategyFn
 from sqla_proletarian.supervisor import (
@@ -169,6 +170,7 @@ _FLAG_OPTIONS = {
     "lease_seconds": "lease_seconds",
     "heartbeat_interval": "heartbeat_interval",
     "job_timeout": "job_timeout",
+    "progress_interval": "progress_interval",
     "shutdown_timeout": "await_termination_timeout",
     "max_unclean_ends": "max_unclean_ends",
     "max_result_bytes": "max_result_bytes",
@@ -443,6 +445,15 @@ WORKER_ARGUMENTS = (
         metavar="S",
         help="lease mode: fail (and retry per the retry strategy) a job still running after "
         "S seconds, asking its handler to stop",
+    ),
+    arg(
+        "--progress-interval",
+        type=parse_seconds,
+        default=_UNSET,
+        metavar="S",
+        help="least seconds between two writes of a running job's progress (job.set_progress)"
+        f"; the latest report is written then, and when the handler returns "
+        f"({DEFAULT_PROGRESS_INTERVAL:g})",
     ),
     arg(
         "--handler-mode",

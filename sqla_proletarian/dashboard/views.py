@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 CHART_MINUTES = 60
 #: Jobs per page of the jobs list.
 PAGE_SIZE = 50
+#: The most neighbours a job's page lists on each side of its graph.
+GRAPH_NODES = 50
 #: Job ids a confirmation lists before it says how many more.
 LISTED_IDS = 20
 #: The query fields of a notice, left out of the ``next`` of the page that shows it.
@@ -140,7 +142,27 @@ def job(dash: Dashboard, request: Request, job_id: str) -> Response:
             HTTPStatus.NOT_FOUND,
             f"there is no job {job_id} in the queue or the archive (pruned, or never enqueued)",
         )
-    return dash.render(request, "job.html", job=found, payload=render_payload(found.payload))
+    return dash.render(
+        request,
+        "job.html",
+        job=found,
+        payload=render_payload(found.payload),
+        graph=_graph(dash, found),
+    )
+
+
+def _graph(dash: Dashboard, job: sp.JobDetail) -> dict[str, Any]:
+    """A job's neighbours in its graph, each with its own state (``get_job``), at most
+    ``GRAPH_NODES`` a side (and how many more there are)."""
+    graph: dict[str, Any] = {}
+    for side in ("depends_on", "dependents"):
+        ids = getattr(job, side)
+        graph[side] = [
+            {"job_id": job_id, "job": sp.get_job(dash.engine, job_id)}
+            for job_id in ids[:GRAPH_NODES]
+        ]
+        graph[f"{side}_more"] = max(0, len(ids) - GRAPH_NODES)
+    return graph
 
 
 def static(dash: Dashboard, request: Request, name: str) -> Response:

@@ -24,16 +24,28 @@ from sqla_proletarian.statements.base import _IDS, ARCHIVE, JOB, RUN, Statement
 from sqla_proletarian.statements.housekeeping import _BY_FINISHED_AT
 from sqla_proletarian.statements.inspection import _DUE
 from sqla_proletarian.statements.leased import _LISTED_QUEUED, _UNLEASED
+from sqla_proletarian.statements.progress import WAITING
+
+#: A list's columns of a queued job: what ``_LISTED_QUEUED`` has, and whether (how many
+#: dependencies) it waits for.
+_LISTED = (*_LISTED_QUEUED, JOB.c.waiting_on)
 
 _AFTER_AT = bindparam("after_at", type_=JOB.c.process_at.type)
 
 
 @cache
-def _queued_jobs(due: bool, after: str | None, by_type: bool, free: bool) -> Select[Any]:
-    # Due later and leased is running under a live lease, not scheduled.
-    conditions: list[Any] = [JOB.c.queue == bindparam("queue"), _DUE if due else ~_DUE]
-    if not due:
-        conditions.append(_UNLEASED)
+def _queued_jobs(
+    due: bool, after: str | None, by_type: bool, free: bool, waiting: bool
+) -> Select[Any]:
+    # Due later and leased is running under a live lease, not scheduled; a job waiting
+    # for its dependencies is due at WAITING_AT, not scheduled either.
+    conditions: list[Any] = [JOB.c.queue == bindparam("queue")]
+    if waiting:
+        conditions.append(WAITING)
+    else:
+        conditions.append(_DUE if due else ~_DUE)
+    if not due and not waiting:
+        conditions.extend((_UNLEASED, ~WAITING))
     order = bindparam("after_order", type_=JOB.c.run_order.type)
     if after == "within":
         # One priority from the cursor on: an equality on it, then a range of the index's
@@ -55,7 +67,7 @@ def _queued_jobs(due: bool, after: str | None, by_type: bool, free: bool) -> Sel
             .correlate(JOB)
         )
     return (
-        select(*_LISTED_QUEUED)
+        select(*_LISTED)
         .where(*conditions)
         .order_by(JOB.c.run_order, JOB.c.process_at, JOB.c.seq)
         .limit(bindparam("limit", type_=BigInteger))
@@ -72,9 +84,11 @@ def queued_jobs(
     beyond: int | None = None,
     job_type: str | None = None,
     live_owners: list[str] | None = None,
+    waiting: bool = False,
 ) -> Statement:
-    """One queue's jobs due at ``now`` (``due``, expired leases included) or later (live
-    leases left out), in poll order, through the poll index: all of them, those of the
+    """One queue's jobs due at ``now`` (``due``, expired leases included), later (live
+    leases and waiting jobs left out) or ``waiting`` for their dependencies, in poll order,
+    through the poll index: all of them, those of the
     cursor's priority after the key ``after`` (``run_order``, ``process_at``, ``seq``), or
     those of the priorities after ``beyond`` (a ``run_order``); ``live_owners`` leaves out
     the jobs whose run records they own."""
@@ -90,7 +104,7 @@ def queued_jobs(
         params["job_type"] = job_type
     if live_owners:
         params["live"] = live_owners
-    return _queued_jobs(due, mode, job_type is not None, bool(live_owners)), params
+    return _queued_jobs(due, mode, job_type is not None, bool(live_owners), waiting), params
 
 
 _FIRST_QUEUE = select(JOB.c.queue).order_by(JOB.c.queue).limit(1)
@@ -123,7 +137,7 @@ def _jobs_by_id(by_queue: bool, by_type: bool) -> Select[Any]:
         conditions.append(JOB.c.queue == bindparam("queue"))
     if by_type:
         conditions.append(JOB.c.job_type == bindparam("job_type"))
-    return select(*_LISTED_QUEUED).where(*conditions)
+    return select(*_LISTED).where(*conditions)
 
 
 def jobs_by_id(
@@ -184,7 +198,7 @@ def archived_jobs(
     return _archived_jobs(queue is not None, job_type is not None, after is not None), params
 
 
-_QUEUED_JOB = select(*_LISTED_QUEUED, JOB.c.payload).where(JOB.c.job_id == bindparam("job_id"))
+_QUEUED_JOB = select(*_LISTED, JOB.c.payload).where(JOB.c.job_id == bindparam("job_id"))
 _ARCHIVED_JOB = select(ARCHIVE).where(ARCHIVE.c.job_id == bindparam("job_id"))
 
 

@@ -40,6 +40,7 @@ from sqla_proletarian.statements.base import (
 )
 from sqla_proletarian.statements.enqueue import _KEPT_COLUMNS
 from sqla_proletarian.statements.runs import end_runs_by_id
+from sqla_proletarian.statements.workflows import waiting_for
 
 #: The archive keeps a job's enqueued columns, its snoozes and its outcome (its result too:
 #: a job archived again never keeps an earlier run's).
@@ -160,6 +161,7 @@ def _succeeded_returning(upsert: ArchiveUpsert) -> Executable:
     done = delete(JOB).where(JOB.c.job_id == _any("ids")).returning(*JOB_COLUMNS).cte("done")
     runs = delete(RUN).where((RUN.c.job_id == _any("ended")) | (RUN.c.run_id == _any("own")))
     statement = _upserted(upsert, _as_archived(done.c)).add_cte(done).add_cte(runs.cte("runs"))
+    statement = statement.returning(waiting_for(_any("ids")))
     return statement.execution_options(preserve_rowcount=True)
 
 
@@ -199,7 +201,8 @@ def archive_succeeded(
     travel back) and remove them, then the run records of every job the claim ended
     (``ended``) and the claim's own records of the others (``own_runs``).
 
-    One statement where ``DELETE ... RETURNING`` can feed the archive (PostgreSQL); else an
+    One statement where ``DELETE ... RETURNING`` can feed the archive (PostgreSQL: it returns,
+    for each job archived, how many rows wait for the claim's ends, ``waiting``); else an
     ``INSERT ... SELECT`` and deletes, each reading the jobs' or records' index (named, with
     ``force_index``). The first statement's row count (PostgreSQL) or the job delete's tells
     whether every job row was still there.

@@ -28,6 +28,7 @@ from sqla_proletarian.statements.base import (
     _delete_by,
 )
 from sqla_proletarian.statements.finish import _EXPIRED_LEASE, _NO_LEASE, _SNOOZED, _upserted
+from sqla_proletarian.statements.workflows import waiting_for
 
 _TOKEN = bindparam("token", type_=Uuid())
 _LEASE_IDS: BindParameter[Any] = bindparam("ids", expanding=True)
@@ -120,7 +121,7 @@ def _archive_lease(upsert: ArchiveUpsert, cancelling: bool) -> Executable:
         bindparam("error", type_=ARCHIVE.c.error.type),
         bindparam("result", type_=ARCHIVE.c.result.type),
     )
-    statement = _upserted(upsert, rows).add_cte(done)
+    statement = _upserted(upsert, rows).add_cte(done).returning(waiting_for(_OWN_LEASE[0].right))
     return statement.execution_options(preserve_rowcount=True)
 
 
@@ -137,7 +138,8 @@ def archive_lease(
 ) -> Statement:
     """Remove a leased job where it still carries the run's token and archive it, in one
     statement (PostgreSQL's DML CTE); its rowcount is 0 when the run was fenced off, or when
-    a cancel was requested and ``status`` is not ``"cancelled"``."""
+    a cancel was requested and ``status`` is not ``"cancelled"``. Its row tells how many rows
+    wait for the job's end (``waiting``)."""
     return _archive_lease(upsert, status == "cancelled"), {
         "job_id": job_id,
         "token": token,

@@ -69,6 +69,21 @@ def insert_dependencies(rows: list[dict[str, Any]]) -> Many:
 
 # --- settling the ends of jobs --------------------------------------------------------------
 
+
+def waiting_for(ids: Any) -> Any:
+    """How many rows wait for the end of the jobs ``ids`` (what ``depends_on =`` compares
+    with: an id's bind parameter, or ``ANY`` of an array's): PostgreSQL's archive
+    statements return it, so that an end with nothing waiting for it settles nothing, in no
+    statement of its own."""
+    return (
+        select(func.count())
+        .select_from(DEPENDENCY)
+        .where(DEPENDENCY.c.depends_on == ids, DEPENDENCY.c.pending == true())
+        .scalar_subquery()
+        .label("waiting")
+    )
+
+
 # MySQL and MariaDB would rather scan a small table for ``IN (...)``, and lock every row it
 # reads: the locking reads name their index.
 _BY_DEPENDS_ON = "FORCE INDEX (ix_proletarian_dependency_depends_on)"
@@ -80,6 +95,18 @@ _PENDING_ON = (
     .with_hint(DEPENDENCY, _BY_DEPENDS_ON, "mysql")
     .with_hint(DEPENDENCY, _BY_DEPENDS_ON, "mariadb")
 )
+
+
+_ANY_PENDING_ON = (
+    select(DEPENDENCY.c.job_id)
+    .where(DEPENDENCY.c.depends_on == bindparam("job_id"), DEPENDENCY.c.pending == true())
+    .limit(1)
+)
+
+
+def any_pending_on(job_id: uuid.UUID) -> Statement:
+    """Whether a row waits for the job's end: read without a lock."""
+    return _ANY_PENDING_ON, {"job_id": job_id}
 
 
 def pending_on(job_ids: Sequence[uuid.UUID]) -> Statement:
@@ -199,6 +226,7 @@ def dependencies_of(job_id: uuid.UUID) -> Statement:
 
 __all__ = [
     "DEPENDENCY",
+    "any_pending_on",
     "count_down",
     "dependencies_of",
     "drop_waits",
@@ -212,4 +240,5 @@ __all__ = [
     "release",
     "settle_edges",
     "stranded",
+    "waiting_for",
 ]

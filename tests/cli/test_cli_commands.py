@@ -81,8 +81,8 @@ def test_enqueue_status_worker_failed_retry_failed_and_prune_work_a_queue_end_to
         header, *lines = table.stdout.splitlines()
         assert header.split()[:4] == ["QUEUE", "READY", "SCHEDULED", "RUNNING"]
         assert [line.split() for line in lines] == [
-            ["default", "0", "0", "0", "-", "1", "1", "-", "-"],
-            ["later", "0", "1", "0", "-", "0", "0", "-", "0:1"],
+            ["default", "0", "0", "0", "0", "-", "1", "1", "-", "-"],
+            ["later", "0", "1", "0", "0", "-", "0", "0", "-", "0:1"],
         ]
 
     retried = cli("retry-failed", str(failing), str(uuid.uuid4()), "--url", url)
@@ -109,6 +109,7 @@ def test_enqueue_status_worker_failed_retry_failed_and_prune_work_a_queue_end_to
         "unhandled_job_types": [],
         "limits": None,
         "waiting": None,
+        "waiting_on_dependencies": 0,
     }
 
     pruned = cli("prune", "--older-than", "0s", "--status", "success", "--url", url)

@@ -472,3 +472,37 @@ def test_the_running_jobs_cancel_button_is_in_view_in_a_1280_pixel_window(
     for button in geometry["buttons"]:
         assert button["left"] >= 0 and button["right"] <= geometry["width"], geometry
         assert button["onTop"], geometry  # not covered by another cell
+
+
+def test_a_jobs_page_shows_its_progress_and_its_graph_with_links_to_each_neighbour(
+    dashboard: Page, engine: sa.Engine
+) -> None:
+    """A job that reported progress shows a bar and its message; a waiting job's page lists
+    what it depends on and what depends on it, each with its state, and a click on one
+    opens that job's page, whose graph leads back."""
+    with engine.begin() as conn:
+        fetch = sp.enqueue(conn, "fetch", {"url": "https://example.org"})
+        build = sp.enqueue(conn, "build", None, depends_on=[fetch])
+        publish = sp.enqueue(conn, "publish", None, depends_on=[build])
+
+    def handler(job_type: str, payload: Any) -> None:
+        sp.current_job().set_progress(0.4, "2 of 5 pages")
+
+    assert sp.process_next_job(engine, handler)  # fetch: build is due now, publish waits
+    dashboard.open(f"/jobs/{publish}")
+    assert dashboard.text("#job-state") == "waiting"
+    assert dashboard.texts("#graph-depends_on li") == [f"{build} build ready"]
+    assert dashboard.text("#graph-dependents p") == "no job"
+    dashboard.screenshot("waiting-job-graph")
+    dashboard.follow(f'#graph-depends_on a[href$="/jobs/{build}"]')
+    assert dashboard.text("#job-type") == "build"
+    assert dashboard.texts("#graph-depends_on li") == [f"{fetch} fetch succeeded"]
+    assert dashboard.texts("#graph-dependents li") == [f"{publish} publish waiting"]
+    dashboard.follow(f'#graph-depends_on a[href$="/jobs/{fetch}"]')
+    assert dashboard.text("#job-progress-message") == "2 of 5 pages"
+    bar = dashboard.driver.find_element(By.CSS_SELECTOR, "#job-progress progress")
+    assert (bar.get_attribute("value"), bar.get_attribute("max")) == ("0.4", "1")
+    assert "40%" in dashboard.text("#job-progress")
+    dashboard.screenshot("job-progress")
+    dashboard.open("/jobs?state=waiting")
+    assert str(publish) in dashboard.text("main")

@@ -205,6 +205,41 @@ def test_dispatch_example_runs_as_a_script(tmp_path: Path) -> None:
     assert re.search(r"billing\s+refund\s+failure", result.stdout)
 
 
+# --- canvas ----------------------------------------------------------------------------------
+
+
+def test_canvas_example_runs_a_chain_and_a_chord_enqueued_in_one_transaction(
+    engine: sa.Engine, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """canvas.py: each chain step reads the one before's result, the join waits for its
+    parts, runs once with all their results and returns their sum, which wait_for_result
+    and get_result read back."""
+    canvas = load_example("canvas")
+    assert canvas.run(engine) == 0
+    out = capsys.readouterr().out
+    assert "the join is waiting before the worker starts" in out
+    assert "sum-counts: 4 parts, counts [6, 7, 8, 10]" in out
+    assert "sum-counts returned 31 (wait_for_result)" in out
+    assert "write-invoice returned 'invoice for order 1042: 13.50 EUR' (get_result)" in out
+    assert "worker: 8 succeeded, 0 retried, 0 failed" in out
+    with Session(engine) as session:
+        rows = session.execute(sa.select(sp.ArchivedJob.job_type, sp.ArchivedJob.status)).all()
+    assert sorted(rows) == sorted(
+        [("fetch-order", "success"), ("price-order", "success"), ("write-invoice", "success")]
+        + [("count-words", "success")] * 4
+        + [("sum-counts", "success")]
+    )
+    assert count(engine, sp.Job) == 0
+
+
+def test_canvas_example_runs_as_a_script(tmp_path: Path) -> None:
+    """`python examples/canvas.py` exits 0 on SQLite and prints the join's sum."""
+    result = run_python([str(EXAMPLES / "canvas.py")], cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "sum-counts returned 31 (wait_for_result)" in result.stdout
+    assert list(tmp_path.iterdir()) == [], "the example left files behind"
+
+
 # --- the README ------------------------------------------------------------------------------
 
 

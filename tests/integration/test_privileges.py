@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session
 import sqla_proletarian as sp
 from sqla_proletarian.dialects import dialect_of
 from sqla_proletarian.errors import driver_error, mysql_errno, sqlstate
+from sqla_proletarian.models import Dependency, Progress
 from sqla_proletarian.periodic import PeriodicJob, Scheduler
 
 if TYPE_CHECKING:
@@ -34,6 +35,9 @@ SERVER_BACKENDS = [
     if name in os.environ.get("SP_TEST_BACKENDS", "postgresql,mariadb").split(",")
 ]
 pytestmark = pytest.mark.parametrize("empty_database", SERVER_BACKENDS, indirect=True)
+
+DEPENDENCY = Dependency.__table__
+PROGRESS = Progress.__table__
 
 #: (privilege, object) pairs: the grants of docs/privileges.md, one privilege each.
 Grant = tuple[str, str]
@@ -53,6 +57,18 @@ WORKER_GRANTS: list[Grant] = [
     # Each poll checks whether its queue is paused, and whether it has limits.
     ("SELECT", "proletarian_paused_queue"),
     ("SELECT", "proletarian_queue_limit"),
+    # Each job's end settles its dependents (their rows locked: FOR UPDATE needs UPDATE on
+    # PostgreSQL, and the settled rows are updated) and deletes its waiters' rows.
+    ("SELECT", "proletarian_dependency"),
+    ("UPDATE", "proletarian_dependency"),
+    ("DELETE", "proletarian_dependency"),
+]
+#: What a worker whose handlers report progress (``job.set_progress``) needs besides: its
+#: upsert of the job's row, which reads the columns it sets (as the archive's).
+PROGRESS_GRANTS: list[Grant] = [
+    ("SELECT", "proletarian_progress"),
+    ("INSERT", "proletarian_progress"),
+    ("UPDATE", "proletarian_progress"),
 ]
 #: What a worker of queues with limits needs besides: the limit rows' locks (a rate's
 #: reservations take turns on them; FOR UPDATE needs UPDATE on PostgreSQL), the slots it
@@ -84,6 +100,19 @@ PERIODIC_GRANTS: dict[str, list[Grant]] = {
 }
 #: What an enqueuing role needs besides for jobs with a unique key: reading the holder's id.
 UNIQUE_KEY_GRANTS: list[Grant] = [("SELECT (job_id, queue, unique_key)", "proletarian_job")]
+#: An enqueue with depends_on reads which dependencies are queued (their ids) and how the
+#: others ended (the archive's ids and statuses), and writes the dependent's rows.
+DEPENDS_ON_GRANTS: list[Grant] = [
+    ("SELECT (job_id)", "proletarian_job"),
+    ("SELECT (job_id, status)", "proletarian_archived_job"),
+    ("INSERT", "proletarian_dependency"),
+]
+#: And to archive a dependent of a failed job as cancelled at once (the archive's upsert).
+CANCELLED_AT_ONCE_GRANTS: list[Grant] = [
+    ("SELECT", "proletarian_archived_job"),
+    ("INSERT", "proletarian_archived_job"),
+    ("UPDATE", "proletarian_archived_job"),
+]
 ENQUEUER_GRANTS: dict[str, list[Grant]] = {
     # BIGSERIAL's nextval() needs USAGE on its sequence. A Session's flush of one job reads
     # back the server-made seq (INSERT ... RETURNING seq: one round trip, not a nextval()
@@ -262,6 +291,14 @@ def exercise_worker(admin: sa.Engine, worker: Role, queue: str, *, ledger: bool 
     if ledger:
         expected["crashed"] = ("failure", 1)
     ids = enqueue_as_admin(admin, queue, *expected)
+    # A job waiting for "ok", and a wait_for_result caller's row on it.
+    with admin.begin() as conn:
+        sp.enqueue(conn, "then", {}, queue=queue, depends_on=[ids["ok"]])
+        conn.execute(
+            sa.insert(DEPENDENCY),
+            {"job_id": uuid.uuid4(), "depends_on": ids["ok"], "kind": "wait", "pending": True},
+        )
+    expected["then"] = ("success", 1)
     if ledger:
         leave_unclean_end(admin, ids["crashed"])
     failed = work_off(worker, queue, 1 if ledger else None)
@@ -284,6 +321,12 @@ def exercise_worker(admin: sa.Engine, worker: Role, queue: str, *, ledger: bool 
             sa.select(sa.func.count()).select_from(sp.Job).where(sp.Job.queue == queue)
         )
         assert left == 0
+        settled = session.execute(
+            sa.select(DEPENDENCY.c.kind, DEPENDENCY.c.pending).where(
+                DEPENDENCY.c.depends_on == ids["ok"]
+            )
+        ).all()
+        assert [tuple(row) for row in settled] == [("cancel", False)]  # the wait row is gone
 
 
 def enqueue_both_ways(enqueuer: Role, queue: str) -> list[uuid.UUID]:
@@ -432,6 +475,59 @@ def test_unique_keys_need_select_on_three_job_columns_and_each_is_needed(roles: 
     assert_refused(lambda: enqueue_keyed(enqueuer))
 
 
+def enqueue_dependents(enqueuer: Role, engine: sa.Engine) -> None:
+    """Dependents of a queued job and of an archived one, by a Session and a Connection."""
+    queued = enqueue_both_ways(enqueuer, "deps-before")[0]
+    with Session(engine) as session:
+        done = sp.enqueue(session, "done", queue="deps-done")
+        session.commit()
+    while sp.process_next_job(engine, lambda t, p: None, queue="deps-done"):
+        pass
+    with Session(enqueuer.engine) as session:
+        sp.enqueue(session, "after", queue="deps", depends_on=[queued, done])
+        session.commit()
+    with enqueuer.engine.begin() as conn:
+        sp.enqueue_many(conn, [("after", 1), ("after", 2)], queue="deps", depends_on=[queued])
+
+
+def test_dependencies_need_the_documented_grants_and_each_of_them(
+    roles: Roles, engine: sa.Engine
+) -> None:
+    """An enqueue-only role enqueues jobs with depends_on given the dependency grants
+    besides; take away any one and the server refuses; payloads stay unreadable."""
+    enqueuer = roles.make("enqueuer", ENQUEUER_GRANTS[roles.backend] + DEPENDS_ON_GRANTS)
+    enqueue_dependents(enqueuer, engine)
+    with enqueuer.engine.connect() as conn:
+        assert_refused(lambda: conn.execute(sa.select(sp.Job.__table__.c.payload)))
+    for grant in DEPENDS_ON_GRANTS:
+        enqueuer.revoke(grant)
+        try:
+            assert_refused(lambda: enqueue_dependents(enqueuer, engine))
+        finally:
+            enqueuer.grant(grant)
+    # A dependent of a failed job is archived as cancelled at once: the archive's upsert.
+    with Session(engine) as session:
+        failed = sp.enqueue(session, "fails", queue="deps-failed")
+        session.commit()
+
+    def fail(job_type: str, payload: Any) -> None:
+        raise ValueError("fails")
+
+    sp.process_next_job(engine, fail, queue="deps-failed", retry_strategy=lambda job, exc: None)
+
+    def after_failed() -> uuid.UUID:
+        with enqueuer.engine.begin() as conn:
+            return sp.enqueue(conn, "after", queue="deps", depends_on=[failed])
+
+    assert_refused(after_failed)
+    for grant in CANCELLED_AT_ONCE_GRANTS:
+        enqueuer.grant(grant)
+    cancelled = after_failed()
+    with Session(engine) as session:
+        row = session.get(sp.ArchivedJob, cancelled)
+        assert row is not None and row.status == "cancelled"
+
+
 def test_a_worker_with_periodic_jobs_needs_the_documented_grants_and_each_of_them(
     roles: Roles, engine: sa.Engine
 ) -> None:
@@ -468,3 +564,42 @@ def test_a_worker_with_periodic_jobs_needs_the_documented_grants_and_each_of_the
             assert permission_denied(info.value), (grant, info.value)
         finally:
             worker.grant(grant)
+
+
+def test_a_worker_whose_handlers_report_progress_needs_the_progress_grants_and_each(
+    roles: Roles, engine: sa.Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With the progress grants a handler's report is stored; without any one of them the
+    server refuses the write, which is logged, and the job still succeeds."""
+    grants = [*WORKER_GRANTS, *PROGRESS_GRANTS]
+    worker = roles.make("worker", grants)
+
+    def handler(job_type: str, payload: Any) -> None:
+        sp.current_job().set_progress(0.5, "halfway")
+
+    for grant in PROGRESS_GRANTS:
+        worker.revoke(grant)
+        try:
+            [job_id] = enqueue_as_admin(engine, f"without-{grant[0]}", "report").values()
+            caplog.clear()
+            assert sp.process_next_job(worker.engine, handler, queue=f"without-{grant[0]}")
+            [failure, *_] = [r for r in caplog.records if r.message.startswith("progress-write")]
+            assert "denied" in failure.error, (grant, failure.error)
+            with Session(engine) as session:
+                assert session.get(sp.ArchivedJob, job_id).status == "success"  # type: ignore[union-attr]
+        finally:
+            worker.grant(grant)
+    [job_id] = enqueue_as_admin(engine, "reports", "report").values()
+    assert sp.process_next_job(worker.engine, handler, queue="reports")
+    job = sp.get_job(engine, job_id)
+    assert job is not None
+    assert (job.progress, job.progress_message) == (0.5, "halfway")
+    # Reporting twice replaces the row (the upsert's UPDATE).
+    [again] = enqueue_as_admin(engine, "reports", "report").values()
+    with engine.begin() as conn:
+        conn.execute(
+            sa.insert(PROGRESS), {"job_id": again, "progress": 0.1, "updated_at": datetime.now(UTC)}
+        )
+    assert sp.process_next_job(worker.engine, handler, queue="reports")
+    replaced = sp.get_job(engine, again)
+    assert replaced is not None and replaced.progress == 0.5

@@ -382,18 +382,24 @@ def roles(database: Database) -> Iterator[Roles]:
 
 
 @pytest.mark.parametrize("empty_database", SERVER_BACKENDS, indirect=True)
-def test_pruning_needs_select_and_delete_on_the_archive_and_nothing_else(
+def test_pruning_needs_the_documented_grants_and_each_of_them(
     roles: Roles, engine: sa.Engine
 ) -> None:
-    """docs/privileges.md: a role with SELECT and DELETE on proletarian_archived_job and
-    proletarian_job_history (the history of the jobs it prunes goes with them) and SELECT
-    (job_id) on proletarian_job prunes; without any one of them the server refuses it."""
+    """docs/privileges.md: a role with SELECT and DELETE on proletarian_archived_job,
+    proletarian_job_history and proletarian_dependency (the history and the dependency rows
+    of the jobs it prunes go with them, and the jobs a queued job depends on are kept),
+    SELECT (job_id) and DELETE on proletarian_progress and SELECT (job_id) on
+    proletarian_job prunes; without any one of them the server refuses it."""
     grants = [
         ("SELECT", "proletarian_archived_job"),
         ("DELETE", "proletarian_archived_job"),
         ("SELECT", "proletarian_job_history"),
         ("DELETE", "proletarian_job_history"),
         ("SELECT (job_id)", "proletarian_job"),
+        ("SELECT", "proletarian_dependency"),
+        ("DELETE", "proletarian_dependency"),
+        ("SELECT (job_id)", "proletarian_progress"),
+        ("DELETE", "proletarian_progress"),
     ]
     for missing in grants:
         archive(engine, (OLD, "success"))

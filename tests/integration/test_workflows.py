@@ -168,7 +168,7 @@ def test_a_chain_runs_in_order_each_after_its_dependencys_commit(
         **MODES[mode],
     )
     with running(worker):
-        assert wait_for(lambda: status_of(engine, c) == "success", 30)
+        assert wait_for(lambda: len(archived(engine)) == 4, 30)
     assert log.saw_unfinished == []
     ((_, _, a_end),) = log.of("a")
     ((_, b_start, b_end),) = log.of("b")
@@ -494,3 +494,32 @@ def test_an_enqueue_at_a_snapshot_isolation_level_waits_and_runs(database: Any, 
     run_all(engine, lambda job: ran.append(job.job_type), "transaction", handler_mode="advanced")
     assert ran == ["first", "then", "later"]
     assert status_of(engine, later) == "success"
+
+
+def test_retry_failed_runs_the_dependency_again_and_leaves_its_cancelled_dependents(
+    engine: sa.Engine,
+) -> None:
+    """A failed dependency put back by retry_failed runs and succeeds; the dependent its
+    failure cancelled stays cancelled, and runs only when enqueued again after it."""
+    attempts: list[str] = []
+
+    def handler(job: sp.JobContext) -> None:
+        attempts.append(job.job_type)
+        if job.job_type == "flaky" and attempts.count("flaky") == 1:
+            raise ValueError("first time")
+
+    flaky = enqueue_committed(engine, "flaky")
+    with Session(engine) as session:
+        after = sp.enqueue(session, "after", depends_on=[flaky])
+        session.commit()
+    run_all(engine, handler, "transaction", handler_mode="advanced")
+    assert (status_of(engine, flaky), status_of(engine, after)) == ("failure", "cancelled")
+    with Session(engine) as session:
+        assert sp.retry_failed(session, job_ids=[flaky]) == 1
+        again = sp.enqueue(session, "after", depends_on=[flaky])
+        session.commit()
+    assert waiting_on(engine, again) == 1
+    run_all(engine, handler, "transaction", handler_mode="advanced")
+    assert attempts == ["flaky", "flaky", "after"]
+    assert (status_of(engine, flaky), status_of(engine, after)) == ("success", "cancelled")
+    assert status_of(engine, again) == "success"

@@ -58,6 +58,9 @@ class Runner:
         self.opened.append(Connections())
         return self.opened[-1]
 
+    def sweep(self, conn: object) -> None:
+        """The look for unsettled dependency rows before each poll: nothing to find here."""
+
     def process_one(self, connections: Connections) -> bool:
         result = self.polls.pop(0)
         if isinstance(result, Exception):
