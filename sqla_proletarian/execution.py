@@ -449,7 +449,6 @@ class JobRunner(RunnerBase):
         }
         if stored:
             direct.execute(conn, *sql.set_results(stored))
-        workflows.settle(conn, dict.fromkeys(succeeded, "success"), self.dialect, self.now())
 
     def _claim(
         self, connections: WorkerConnections, reserved: dict[str, Reserved]
