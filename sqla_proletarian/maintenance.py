@@ -29,6 +29,7 @@ from sqla_proletarian.errors import ConfigurationError, InvalidJobError, Proleta
 from sqla_proletarian.logs import log_event
 from sqla_proletarian.models import JOB_TABLE, UNIQUE_KEY_INDEX, Status
 from sqla_proletarian.statements import progress as graph
+from sqla_proletarian.statements import workflows as wsql
 from sqla_proletarian.unique import insert_or_nothing
 from sqla_proletarian.values import Clock, check_name, utc_now
 
@@ -322,6 +323,7 @@ def _retry_batch(
         statements = sql.requeue_failed(found, now, returning=dialect.deletes_runs_with_job)
         counts = [conn.execute(*statement).rowcount for statement in statements]
         _check_moved([*counts, kept])
+        conn.execute(*wsql.mark_dependents(found))
         moved += counts[0]
         queues.update(row.queue for row in unkeyed)
     for row in rows:
@@ -331,6 +333,7 @@ def _retry_batch(
         if insert_or_nothing(conn, dialect, statement, UNIQUE_KEY_INDEX):
             kept = conn.execute(*sql.keep_failures([row.job_id])).rowcount
             _check_moved([1, conn.execute(*sql.delete_failure(row.job_id)).rowcount, kept])
+            conn.execute(*wsql.mark_dependents([row.job_id]))
             moved += 1
             queues.add(row.queue)
             continue

@@ -107,7 +107,7 @@ def _result_on(conn: Connection, job_id: uuid.UUID, serializer: Serializer) -> A
         waiting_on, lease_token, recorded = queued
         status = (
             "waiting for its dependencies"
-            if waiting_on
+            if waiting_on > 0
             else "running"
             if lease_token is not None or recorded
             else "queued"

@@ -47,6 +47,7 @@ from sqla_proletarian.logs import finished_logger, log_event, log_to
 from sqla_proletarian.progress import DEFAULT_PROGRESS_INTERVAL, ProgressWriter
 from sqla_proletarian.retry import RetryStrategy, as_retry_strategy
 from sqla_proletarian.serialization import Serializer
+from sqla_proletarian.statements.workflows import HAD_DEPENDENCIES
 from sqla_proletarian.values import Clock, check_aware
 from sqla_proletarian.workflows import Sweeper
 
@@ -312,6 +313,8 @@ class RunnerBase:
         ``read_on`` (the job's own connection) or else on a connection of the engine's."""
 
         def read_dependencies() -> dict[Any, Any]:
+            if job.get("waiting_on", HAD_DEPENDENCIES) == 0:
+                return {}  # no dependencies: nothing to read
             serializer, job_id = self.settings.serializer, job["job_id"]
             if read_on is not None:
                 with worker_reads(read_on):

@@ -160,7 +160,7 @@ def _cancel_reason(dependency: uuid.UUID, status: str) -> str:
 def make_waiting(row: dict[str, Any], dependencies: Dependencies) -> None:
     """Set a dependent's row to wait for its live dependencies (if it has any)."""
     waiting = len(dependencies.live)
-    row["waiting_on"] = waiting
+    row["waiting_on"] = waiting or wsql.HAD_DEPENDENCIES
     if waiting:
         row["due_at"] = row["process_at"]
         row["process_at"] = WAITING_AT

@@ -58,6 +58,8 @@ JOB_COLUMNS = (
     JOB.c.unclean_ends,
     JOB.c.cancel_requested_at,
     JOB.c.uncharged_runs,
+    # Above 0: the job waits; -1: it has dependencies, all ended (``workflows``).
+    JOB.c.waiting_on,
     JOB.c.snoozes,
 )
 

@@ -39,6 +39,7 @@ _LEASE_STATE = (
     "cancel_requested_at",
     "uncharged_runs",
     "snoozes",
+    "waiting_on",
 )
 ENQUEUED_COLUMNS = tuple(column.name for column in JOB_COLUMNS if column.name not in _LEASE_STATE)
 #: The enqueued columns the archive keeps: all but the enqueuer's trace context.

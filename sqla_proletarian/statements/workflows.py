@@ -35,6 +35,10 @@ DEPENDENCY = cast(Table, Dependency.__table__)
 #: A statement and its rows of parameters: an executemany.
 Many = tuple[Executable, list[dict[str, Any]]]
 
+#: ``waiting_on`` of a job whose dependencies have all ended: not waiting (not above 0), and
+#: a claim of it knows to read its dependencies' results.
+HAD_DEPENDENCIES = -1
+
 _IDS = bindparam("ids", expanding=True, type_=JOB.c.job_id.type)
 
 # --- enqueueing a dependent ----------------------------------------------------------------
@@ -147,7 +151,7 @@ def notify_done(job_id: uuid.UUID) -> Statement:
 
 # A dependent that runs already (put back by retry_failed) has waiting_on 0: not locked.
 _DEPENDENTS = (
-    select(*JOB_COLUMNS, JOB.c.waiting_on)
+    select(*JOB_COLUMNS)
     .where(JOB.c.job_id.in_(_IDS), JOB.c.waiting_on > 0)
     .order_by(JOB.c.job_id)
     .with_for_update()
@@ -183,12 +187,15 @@ _RELEASE = (
         JOB.c.lease_token.is_(None),
         JOB.c.process_at == bindparam("waiting_at", type_=JOB.c.process_at.type),
     )
-    .ordered_values((JOB.c.process_at, JOB.c.due_at), (JOB.c.due_at, None))
+    .ordered_values(
+        (JOB.c.process_at, JOB.c.due_at), (JOB.c.due_at, None), (JOB.c.waiting_on, HAD_DEPENDENCIES)
+    )
 )
 
 
 def release(job_ids: Sequence[uuid.UUID]) -> Many:
-    """Make those of ``job_ids`` that wait on nothing any more due at their own time."""
+    """Make those of ``job_ids`` that wait on nothing any more due at their own time (their
+    ``waiting_on`` ``HAD_DEPENDENCIES``)."""
     return _RELEASE, [{"b_job_id": job_id, "waiting_at": WAITING_AT} for job_id in job_ids]
 
 
@@ -219,6 +226,21 @@ _DEPENDENCIES_OF = (
 )
 
 
+_MARK = (
+    update(JOB)
+    .where(
+        JOB.c.job_id == bindparam("b_job_id"),
+        exists().where(DEPENDENCY.c.job_id == JOB.c.job_id, _WAITING_KINDS),
+    )
+    .values(waiting_on=HAD_DEPENDENCIES)
+)
+
+
+def mark_dependents(job_ids: Sequence[uuid.UUID]) -> Many:
+    """Jobs put back in the queue (``retry_failed``): those with dependencies say so."""
+    return _MARK, [{"b_job_id": job_id} for job_id in job_ids]
+
+
 def dependencies_of(job_id: uuid.UUID) -> Statement:
     """The ids a job depends on."""
     return _DEPENDENCIES_OF, {"job_id": job_id}
@@ -235,6 +257,7 @@ __all__ = [
     "insert_dependents",
     "live_jobs",
     "lock_dependents",
+    "mark_dependents",
     "notify_done",
     "pending_on",
     "release",

@@ -57,7 +57,7 @@ def waiting_on(engine: sa.Engine, job_id: uuid.UUID) -> int | None:
         ).first()
     if row is None:
         return None
-    if row.waiting_on:
+    if row.waiting_on > 0:
         assert row.process_at == WAITING_AT, "a waiting job is out of every poll's reach"
     return int(row.waiting_on)
 
@@ -292,7 +292,8 @@ def test_dependencies_already_archived_count_at_the_enqueue(engine: sa.Engine, m
         after_bad = sp.enqueue(session, "after-bad", depends_on=[good, bad])
         cleanup = sp.enqueue(session, "cleanup", depends_on=[bad], on_dependency_failure="run")
         session.commit()
-    assert (waiting_on(engine, after_good), waiting_on(engine, cleanup)) == (0, 0)
+    # Not waiting (-1: dependencies, all ended; 0 is a job without any).
+    assert (waiting_on(engine, after_good), waiting_on(engine, cleanup)) == (-1, -1)
     row = archived_job(engine, after_bad)
     assert row is not None
     assert (row.status, row.error, row.attempts) == (
@@ -523,3 +524,34 @@ def test_retry_failed_runs_the_dependency_again_and_leaves_its_cancelled_depende
     assert attempts == ["flaky", "flaky", "after"]
     assert (status_of(engine, flaky), status_of(engine, after)) == ("success", "cancelled")
     assert status_of(engine, again) == "success"
+
+
+@EACH_MODE
+def test_a_dependent_put_back_by_retry_failed_still_reads_its_dependencies_results(
+    engine: sa.Engine, mode: str
+) -> None:
+    """A join that failed once, put back by retry_failed, sees its dependencies' results on
+    its second run (the claim knows it has dependencies)."""
+    seen: list[dict[uuid.UUID, Any]] = []
+
+    def handler(job: sp.JobContext) -> Any:
+        if job.job_type == "part":
+            return job.payload * 10
+        seen.append(job.dependency_results)
+        if len(seen) == 1:
+            raise ValueError("first run fails")
+        return None
+
+    with Session(engine) as session:
+        parts = sp.enqueue_many(session, [("part", 1), ("part", 2)])
+        join = sp.enqueue(session, "join", depends_on=parts)
+        session.commit()
+    run_all(engine, handler, mode, handler_mode="advanced")
+    assert status_of(engine, join) == "failure"
+    with Session(engine) as session:
+        assert sp.retry_failed(session, job_ids=[join]) == 1
+        session.commit()
+    run_all(engine, handler, mode, handler_mode="advanced")
+    expected = {parts[0]: 10, parts[1]: 20}
+    assert seen == [expected, expected]
+    assert status_of(engine, join) == "success"
