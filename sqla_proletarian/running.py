@@ -266,7 +266,7 @@ class RunnerBase:
     def sweep(self, conn: Connection) -> None:
         """Now and then, on the thread's claim connection outside a claim: count the ends
         of jobs whose dependents were enqueued as they ended."""
-        self._sweeper.tick(conn, self.now())
+        self._sweeper.tick(conn, self.now)
 
     def now(self) -> datetime:
         return check_aware("clock()", self.settings.clock())

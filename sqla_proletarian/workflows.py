@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
@@ -345,14 +345,15 @@ class Sweeper:
         self._next_look = time.monotonic() + self.interval / 2
         self._lock = threading.Lock()
 
-    def tick(self, conn: Connection, now: datetime) -> int:
+    def tick(self, conn: Connection, now: Callable[[], datetime]) -> int:
         """Sweep if it is time and no other thread of the runner is sweeping; the ended jobs
-        settled. ``conn`` is the thread's claim connection, outside a transaction."""
+        settled. ``conn`` is the thread's claim connection, outside a transaction; ``now``
+        (the worker's clock) is read only for a sweep."""
         if time.monotonic() < self._next_look or not self._lock.acquire(blocking=False):
             return 0
         try:
             self._next_look = time.monotonic() + self.interval
-            return self._sweep(conn, now)
+            return self._sweep(conn, now())
         finally:
             self._lock.release()
 
