@@ -116,26 +116,20 @@ def enqueue(
         "clock": clock,
         "concurrency_key": concurrency_key,
     }
-    if dependencies:
+    if dependencies or unique_key is not None:
+        # Inserted at once, through the Session's connection (flushed first for dependencies).
         if session_or_connection is not given and not isinstance(given, Session):
+            what = "depends_on" if dependencies else "a unique_key"
             raise NotATransactionError(
-                "enqueue() with depends_on inserts the job at once, which an AsyncSession "
+                f"enqueue() with {what} inserts the job at once, which an AsyncSession "
                 "can only do in an awaited call: use `await sp.enqueue_async(session, ..., "
-                "depends_on=...)`"
+                f"{what.removeprefix('a ')}=...)`"
             )
         values = build_job_values(job_type, payload, unique_key=unique_key, **fields)
-        connection = _connection_of(session_or_connection, "enqueue", flush=True)
-        ids = _enqueue_dependents(connection, [values], dependencies, on_dependency_failure)
-        return ids[0]
-    if unique_key is not None:
-        if session_or_connection is not given and not isinstance(given, Session):
-            raise NotATransactionError(
-                "enqueue() with a unique_key inserts the job at once, which an AsyncSession "
-                "can only do in an awaited call: use `await sp.enqueue_async(session, ..., "
-                "unique_key=...)`"
-            )
-        values = build_job_values(job_type, payload, unique_key=unique_key, **fields)
-        return enqueue_unique(_connection_of(session_or_connection, "enqueue"), values)
+        connection = _connection_of(session_or_connection, "enqueue", flush=bool(dependencies))
+        if not dependencies:
+            return enqueue_unique(connection, values)
+        return _enqueue_dependents(connection, [values], dependencies, on_dependency_failure)[0]
     if isinstance(session_or_connection, scoped_session):
         session_or_connection = session_or_connection()
     if isinstance(session_or_connection, Session):

@@ -10,7 +10,7 @@ import contextlib
 import select
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, Engine
@@ -179,37 +179,57 @@ def wait_for_result(
     wanted = _job_id(job_id)
     seconds = _check_timeout(timeout)
     deadline = None if seconds is None else time.monotonic() + seconds
+
+    def result() -> Any:
+        with engine.connect() as conn:
+            return _result_on(conn, wanted, serializer)
+
     if not Listener.supported(engine):
-        return _poll(engine, wanted, serializer, deadline, seconds)
+        pauses = _poll_pauses()
+        return _until_ended(
+            result, wanted, seconds, deadline, lambda left: time.sleep(_within(next(pauses), left))
+        )
     with _listening(engine) as notified, _waiting(engine, wanted):
-        while True:
-            with contextlib.suppress(ResultNotReady), engine.connect() as conn:
-                return _result_on(conn, wanted, serializer)
-            left = _left(deadline)
-            if left is not None and left <= 0:
-                raise _timed_out(wanted, seconds)
-            notified(str(wanted), RECHECK_INTERVAL if left is None else min(left, RECHECK_INTERVAL))
+        return _until_ended(
+            result,
+            wanted,
+            seconds,
+            deadline,
+            lambda left: notified(str(wanted), _within(RECHECK_INTERVAL, left)),
+        )
+
+
+def _until_ended(
+    result: Callable[[], Any],
+    job_id: uuid.UUID,
+    timeout: float | None,
+    deadline: float | None,
+    wait: Callable[[float | None], object],
+) -> Any:
+    """``result()`` once the job has ended: between tries, ``wait(seconds left)``."""
+    while True:
+        with contextlib.suppress(ResultNotReady):
+            return result()
+        left = _left(deadline)
+        if left is not None and left <= 0:
+            raise _timed_out(job_id, timeout)
+        wait(left)
 
 
 def _left(deadline: float | None) -> float | None:
     return None if deadline is None else deadline - time.monotonic()
 
 
-def _poll(
-    engine: Engine,
-    job_id: uuid.UUID,
-    serializer: Serializer,
-    deadline: float | None,
-    timeout: float | None,
-) -> Any:
+def _within(seconds: float, left: float | None) -> float:
+    """``seconds``, but no more than ``left`` (None: no deadline)."""
+    return seconds if left is None else min(seconds, left)
+
+
+def _poll_pauses() -> Iterator[float]:
+    """A poll's pauses: ``POLL_FIRST``, doubling up to ``POLL_MAX``."""
     pause = POLL_FIRST
     while True:
-        with contextlib.suppress(ResultNotReady), engine.connect() as conn:
-            return _result_on(conn, job_id, serializer)
-        left = _left(deadline)
-        if left is not None and left <= 0:
-            raise _timed_out(job_id, timeout)
-        time.sleep(pause if left is None else min(pause, left))
+        yield pause
         pause = min(POLL_MAX, pause * 2)
 
 
@@ -286,28 +306,42 @@ async def wait_for_result_async(
             return await conn.run_sync(_result_on, wanted, serializer)
 
     if not AsyncListener.supported(engine):
-        pause = POLL_FIRST
-        while True:
-            with contextlib.suppress(ResultNotReady):
-                return await result()
-            left = _left(deadline)
-            if left is not None and left <= 0:
-                raise _timed_out(wanted, seconds)
-            await asyncio.sleep(pause if left is None else min(pause, left))
-            pause = min(POLL_MAX, pause * 2)
+        pauses = _poll_pauses()
+
+        async def sleep(left: float | None) -> None:
+            await asyncio.sleep(_within(next(pauses), left))
+
+        return await _until_ended_async(result, wanted, seconds, deadline, sleep)
     done = asyncio.Event()
+
+    async def heard_of(left: float | None) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_within(RECHECK_INTERVAL, left)):
+                await done.wait()
+
+    async def cleared_then_result() -> Any:
+        done.clear()  # before the read: a notification during it is kept
+        return await result()
+
     async with _async_listening(engine, str(wanted), done), _async_waiting(engine, wanted):
-        while True:
-            done.clear()
-            with contextlib.suppress(ResultNotReady):
-                return await result()
-            left = _left(deadline)
-            if left is not None and left <= 0:
-                raise _timed_out(wanted, seconds)
-            with contextlib.suppress(TimeoutError):
-                pause = RECHECK_INTERVAL if left is None else min(left, RECHECK_INTERVAL)
-                async with asyncio.timeout(pause):
-                    await done.wait()
+        return await _until_ended_async(cleared_then_result, wanted, seconds, deadline, heard_of)
+
+
+async def _until_ended_async(
+    result: Callable[[], Awaitable[Any]],
+    job_id: uuid.UUID,
+    timeout: float | None,
+    deadline: float | None,
+    wait: Callable[[float | None], Awaitable[None]],
+) -> Any:
+    """``_until_ended`` for asyncio."""
+    while True:
+        with contextlib.suppress(ResultNotReady):
+            return await result()
+        left = _left(deadline)
+        if left is not None and left <= 0:
+            raise _timed_out(job_id, timeout)
+        await wait(left)
 
 
 @contextlib.asynccontextmanager

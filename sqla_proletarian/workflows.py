@@ -192,6 +192,7 @@ def write_dependents(
                     upsert=dialect.archive_upsert,
                 )
             )
+            _log_cancelled(row, reason)
     elif not inserted:
         conn.execute(*wsql.insert_dependents(rows))
     live = set(dependencies.live) if not dependencies.cancels else set()
@@ -207,16 +208,17 @@ def write_dependents(
     ]
     for start in range(0, len(edges), _CHUNK * 10):
         conn.execute(*wsql.insert_dependencies(edges[start : start + _CHUNK * 10]))
-    if dependencies.cancels:
-        for row in rows:
-            log_event(
-                logging.INFO,
-                "job-cancelled",
-                job_id=row["job_id"],
-                job_type=row["job_type"],
-                queue=row["queue"],
-                hint=_cancel_reason(*dependencies.failed),  # type: ignore[misc]
-            )
+
+
+def _log_cancelled(job: Mapping[str, Any], reason: str) -> None:
+    log_event(
+        logging.INFO,
+        "job-cancelled",
+        job_id=job["job_id"],
+        job_type=job["job_type"],
+        queue=job["queue"],
+        hint=reason,
+    )
 
 
 def settle(
@@ -276,8 +278,9 @@ def _count_ends(
     cancelled: dict[uuid.UUID, str] = {}
     counts: dict[uuid.UUID, int] = {}
     released: list[uuid.UUID] = []
-    for start in range(0, len(by_dependent), _CHUNK):
-        chunk = sorted(by_dependent)[start : start + _CHUNK]
+    dependents = sorted(by_dependent)
+    for start in range(0, len(dependents), _CHUNK):
+        chunk = dependents[start : start + _CHUNK]
         for job in conn.execute(*wsql.lock_dependents(chunk)).mappings():
             job_id = job["job_id"]
             its = by_dependent[job_id]
@@ -324,14 +327,7 @@ def _cancel_dependent(
             upsert=dialect.archive_upsert,
         )
     )
-    log_event(
-        logging.INFO,
-        "job-cancelled",
-        job_id=job["job_id"],
-        job_type=job["job_type"],
-        queue=job["queue"],
-        hint=reason,
-    )
+    _log_cancelled(job, reason)
 
 
 class Sweeper:

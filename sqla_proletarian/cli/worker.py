@@ -352,28 +352,24 @@ def _queue_names(text: str) -> list[str]:
     return names
 
 
-def _unclean_ends(text: str) -> int | None:
-    """``--max-unclean-ends``: a whole number, or ``off`` to turn crash accounting off."""
+def _number_or_off(text: str, advice: str) -> int | None:
+    """A whole number, or None for ``off`` (or ``none``); else ``advice`` as the error."""
     if text.strip().lower() in ("off", "none"):
         return None
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give a whole number >= 1, or off to turn crash accounting off"
-        ) from None
+        raise argparse.ArgumentTypeError(f"{text!r}: {advice}") from None
+
+
+def _unclean_ends(text: str) -> int | None:
+    """``--max-unclean-ends``: a whole number, or ``off`` to turn crash accounting off."""
+    return _number_or_off(text, "give a whole number >= 1, or off to turn crash accounting off")
 
 
 def _result_bytes(text: str) -> int | None:
     """``--max-result-bytes``: a whole number of bytes, or ``off`` for no limit."""
-    if text.strip().lower() in ("off", "none"):
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give a whole number of bytes >= 1, or off for no limit"
-        ) from None
+    return _number_or_off(text, "give a whole number of bytes >= 1, or off for no limit")
 
 
 #: The default of a worker flag: not given, so the module's worker_options (or the
