@@ -746,23 +746,23 @@ class LeaseRunner(RunnerBase):
             if held:
                 conn.execute(delete, {"ids": sorted(run.job_id for run in held)})
                 now = self.now()
-                archived = [
-                    sql.archive(
-                        run.job,
-                        status="cancelled" if run.job_id in cancelled else "success",
-                        attempts=run.job["attempts"] + 1,
-                        finished_at=now,
-                        error=None,
-                        upsert=self.dialect.archive_upsert,
-                        result=None if run.job_id in cancelled else run.result,
-                    )
-                    for run in held
-                ]
-                conn.execute(archived[0][0], [values for _, values in archived])
                 ends = {
                     run.job_id: "cancelled" if run.job_id in cancelled else "success"
                     for run in held
                 }
+                archived = [
+                    sql.archive(
+                        run.job,
+                        status=ends[run.job_id],
+                        attempts=run.job["attempts"] + 1,
+                        finished_at=now,
+                        error=None,
+                        upsert=self.dialect.archive_upsert,
+                        result=run.result if ends[run.job_id] == "success" else None,
+                    )
+                    for run in held
+                ]
+                conn.execute(archived[0][0], [values for _, values in archived])
                 workflows.settle(conn, ends, self.dialect, now)
             conn.commit()
             return kept, cancelled
