@@ -189,28 +189,62 @@ def execute(conn: Connection, statement: Executable, params: Any) -> Rows:
         conn.begin()
     for listener in conn.dispatch.before_cursor_execute:
         listener(conn, None, text, processed, None, False)
-    dbapi_connection: Any = conn.connection.dbapi_connection
+    pooled = conn.connection
     cursor = None
     try:
-        cursor = dbapi_connection.cursor()
+        cursor = _cursor(pooled)
         cursor.execute(text, processed)
         rows: list[tuple[Any, ...]] = []
-        description = cursor.description
-        if description is not None:
-            rows = cursor.fetchall()
-            rows = _processed_rows(plan, description, rows)
+        codes = _type_codes(cursor)
+        if codes is not None:
+            rows = _processed_rows(plan, codes, cursor.fetchall())
         rowcount = cursor.rowcount
-        cursor.close()
     except Exception as exc:
+        # SQLAlchemy closes the cursor it is given: the next statement opens a new one.
+        pooled.info.pop(_CURSOR, None)
         conn._handle_dbapi_exception(exc, text, processed, cursor, None)
-    return Rows(plan.keys or [d[0] for d in description or ()], rows, rowcount)
+    return Rows(plan.keys or [d[0] for d in cursor.description or ()], rows, rowcount)
+
+
+#: Where a pooled DBAPI connection keeps the cursor the hot path reuses (its ``info``, which
+#: the pool clears when the connection is replaced).
+_CURSOR = "sqla_proletarian.cursor"
+
+
+def _cursor(pooled: Any) -> Any:
+    """The cursor the hot path executes on: one per DBAPI connection, kept across statements,
+    so that the driver's per-cursor caches (psycopg's dumpers and loaders by type) are built
+    once, not once a statement."""
+    dbapi_connection = pooled.dbapi_connection
+    kept = pooled.info.get(_CURSOR)
+    if kept is not None and kept[0] is dbapi_connection:
+        return kept[1]
+    cursor = dbapi_connection.cursor()
+    pooled.info[_CURSOR] = (dbapi_connection, cursor)
+    return cursor
+
+
+def _type_codes(cursor: Any) -> tuple[Any, ...] | None:
+    """The type codes of the result's columns (as ``description``'s second items), or None
+    when the statement returned no rows. psycopg 3's are read off its result, without the
+    ``Column`` objects its ``description`` builds for each column on each access."""
+    result = getattr(cursor, "pgresult", None)
+    if result is not None:
+        if not result.nfields and result.status != _TUPLES_OK:
+            return None
+        return tuple(map(result.ftype, range(result.nfields)))
+    description = cursor.description
+    return None if description is None else tuple(entry[1] for entry in description)
+
+
+#: libpq's status of a result that returned rows (psycopg.pq.ExecStatus.TUPLES_OK).
+_TUPLES_OK = 2
 
 
 def _processed_rows(
-    plan: _Plan, description: Sequence[Any], rows: list[tuple[Any, ...]]
+    plan: _Plan, codes: tuple[Any, ...], rows: list[tuple[Any, ...]]
 ) -> list[tuple[Any, ...]]:
     """The rows with each column's result processor applied (as SQLAlchemy's result does)."""
-    codes = tuple(entry[1] for entry in description)
     try:
         processors = plan.row_processors[codes]
     except KeyError:
