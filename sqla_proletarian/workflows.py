@@ -277,7 +277,7 @@ def _count_ends(
             by_dependent.setdefault(job_id, []).append((on, kind))
     cancelled: dict[uuid.UUID, str] = {}
     counts: dict[uuid.UUID, int] = {}
-    released: list[uuid.UUID] = []
+    released: dict[uuid.UUID, int] = {}
     dependents = sorted(by_dependent)
     for start in range(0, len(dependents), _CHUNK):
         chunk = dependents[start : start + _CHUNK]
@@ -296,10 +296,12 @@ def _count_ends(
                 _cancel_dependent(conn, dict(job), failed, dialect, now)
                 cancelled[job_id] = "cancelled"
                 continue
-            counts[job_id] = min(len(its), job["waiting_on"])
             if job["waiting_on"] <= len(its):
-                released.append(job_id)
+                # Released at once: its count needs no counting down first.
+                released[job_id] = len(its)
                 woken.add(job["queue"])
+            else:
+                counts[job_id] = len(its)
     if counts:
         conn.execute(*wsql.count_down(counts))
     if released:

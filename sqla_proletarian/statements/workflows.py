@@ -183,7 +183,7 @@ _RELEASE = (
     update(JOB)
     .where(
         JOB.c.job_id == bindparam("b_job_id"),
-        JOB.c.waiting_on == 0,
+        JOB.c.waiting_on <= bindparam("ended"),
         JOB.c.lease_token.is_(None),
         JOB.c.process_at == bindparam("waiting_at", type_=JOB.c.process_at.type),
     )
@@ -193,10 +193,13 @@ _RELEASE = (
 )
 
 
-def release(job_ids: Sequence[uuid.UUID]) -> Many:
-    """Make those of ``job_ids`` that wait on nothing any more due at their own time (their
-    ``waiting_on`` ``HAD_DEPENDENCIES``)."""
-    return _RELEASE, [{"b_job_id": job_id, "waiting_at": WAITING_AT} for job_id in job_ids]
+def release(ended: dict[uuid.UUID, int]) -> Many:
+    """Make the waiting jobs that ``ended[job_id]`` ended dependencies leave waiting on
+    nothing due at their own time (their ``waiting_on`` ``HAD_DEPENDENCIES``), without
+    counting those ends down first."""
+    return _RELEASE, [
+        {"b_job_id": job_id, "ended": n, "waiting_at": WAITING_AT} for job_id, n in ended.items()
+    ]
 
 
 # --- the sweep: ends that no settle counted --------------------------------------------------
