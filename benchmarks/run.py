@@ -28,11 +28,14 @@ import sqla_proletarian as sp
 from benchmarks import vs_procrastinate
 from benchmarks.library import EVENTS, count_events
 from benchmarks.plan import (
+    ASYNC_BATCH_SIZES,
+    ASYNC_BEST,
     KINDS,
     LEASE_SECONDS,
     Measurement,
     Plan,
     Settings,
+    async_row,
     describe,
     in_mode,
     modes,
@@ -106,6 +109,14 @@ def derive_best(plan: Plan, results: Results) -> None:
                 batch_rows,
                 ref=f"raw SQL, {plan.s.per_transaction} jobs/transaction",
                 also=(*pgqueuer, *twin),
+            )
+        if server.is_postgresql:
+            results.best(
+                section,
+                ASYNC_BEST,
+                [async_row(b) for b in ASYNC_BATCH_SIZES[1:]],
+                ref="pgqueuer tuned",
+                also=("sqla-proletarian, best setting",),
             )
 
 

@@ -21,6 +21,7 @@ from pgqueuer.db import SyncPsycopgDriver
 from pgqueuer.models import Job
 from pgqueuer.queries import SyncQueries
 
+from benchmarks import server_work
 from benchmarks.job import JOB_TYPE, PAYLOAD_TEXT
 from benchmarks.procs import Crew, Crews, sample_latencies
 
@@ -96,7 +97,10 @@ def drain(dsn: str, jobs: int, driver: str, batch_size: int, processes: int) -> 
             done = conn.execute("SELECT count(*) FROM pgqueuer_log WHERE status = 'successful'")
             return done.fetchone() == (jobs,)
 
-        with Crews(processes, _serve_child, dsn, driver, batch_size, False, linger=1) as crews:
+        with (
+            server_work.metered(dsn, jobs),
+            Crews(processes, _serve_child, dsn, driver, batch_size, False, linger=1) as crews,
+        ):
             elapsed = crews.wait_until(drained)
         left = conn.execute("SELECT count(*) FROM pgqueuer").fetchone()
     if left != (0,):

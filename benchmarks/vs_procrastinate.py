@@ -16,6 +16,7 @@ from typing import Any
 import procrastinate
 import psycopg
 
+from benchmarks import server_work
 from benchmarks.job import JOB_TYPE, PAYLOAD
 from benchmarks.procs import Crew, Crews, sample_latencies
 
@@ -98,7 +99,10 @@ def drain(dsn: str, jobs: int, concurrency: int, processes: int) -> float:
             )
             return done.fetchone() == (jobs,)
 
-        with Crews(processes, _serve_child, dsn, concurrency, False, linger=1) as crews:
+        with (
+            server_work.metered(dsn, jobs),
+            Crews(processes, _serve_child, dsn, concurrency, False, linger=1) as crews,
+        ):
             elapsed = crews.wait_until(drained)
     return jobs / elapsed
 
