@@ -103,7 +103,8 @@ def drain(engine: sa.Engine, jobs: int, **options: Any) -> float:
     queue_worker = worker(engine, **options)
     fresh_tables(engine)
     fill(engine, jobs)
-    elapsed = run_until(queue_worker, jobs)
+    with server_work.metered(engine.url, jobs):
+        elapsed = run_until(queue_worker, jobs)
     check_drained(engine, jobs, f"sqla-proletarian {options}")
     return jobs / elapsed
 

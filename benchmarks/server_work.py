@@ -15,7 +15,8 @@ jobs)``; the caller that adds the drain's row then takes the figures with ``take
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import statistics
+from collections.abc import Callable, Iterator
 
 import sqlalchemy as sa
 
@@ -44,6 +45,9 @@ _WAL_SINCE = sa.text("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), CAST(:since A
 
 #: The figures of the last metered drain, until taken.
 _last: dict[str, float] | None = None
+#: Called with the server's URL as a metered drain starts (after its fill), before the meter
+#: reads: benchmarks.statements starts its own count there.
+starting: list[Callable[[sa.URL], None]] = []
 
 
 def engine_url(url: str | sa.URL) -> sa.URL:
@@ -109,6 +113,8 @@ def metered(url: str | sa.URL, jobs: int) -> Iterator[None]:
     """Meter the block (a drain of ``jobs``): its figures are kept for ``take()``."""
     global _last
     _last = None
+    for start in starting:
+        start(engine_url(url))
     meter = Meter(url)
     yield
     _last = meter.per_job(jobs)
@@ -119,6 +125,14 @@ def take() -> dict[str, float] | None:
     global _last
     figures, _last = _last, None
     return figures
+
+
+def median_text(readings: list[dict[str, float]]) -> str:
+    """``text`` of the median of each figure over several drains' (empty if none)."""
+    if not readings:
+        return ""
+    names = readings[0]
+    return text({name: statistics.median(r.get(name, 0.0) for r in readings) for name in names})
 
 
 def text(figures: dict[str, float]) -> str:
