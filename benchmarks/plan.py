@@ -157,6 +157,11 @@ def _rate(
         results.missing(section, name, unit, str(exc), ref)
 
 
+def share(module: Any, jobs: int) -> str:
+    """``; 2,500 jobs`` for a contender that drains a share of the run's jobs, else nothing."""
+    return f"; {jobs:,} jobs" if module.SHARE != 1 else ""
+
+
 def _tag(*tags: str) -> frozenset[str]:
     return frozenset(tags)
 
@@ -286,12 +291,13 @@ class Plan:
         for name, module, defaults in contenders:
             dsn = pgq if name == "pgqueuer" else pro
             tags = _tag("drain", name, key)
+            jobs = s.jobs // module.SHARE
             add(
                 tags,
-                f"{name} defaults ({describe(defaults)})",
+                f"{name} defaults ({describe(defaults)}{share(module, jobs)})",
                 sp_default,
-                lambda module=module, dsn=dsn, defaults=defaults: module.drain(
-                    dsn, s.jobs, **defaults
+                lambda module=module, dsn=dsn, defaults=defaults, jobs=jobs: module.drain(
+                    dsn, jobs, **defaults
                 ),
             )
             self._add(
@@ -360,13 +366,13 @@ class Plan:
             if not wanted(_tag("drain", name, "postgresql"), only):
                 continue
             dsn = server.libpq_dsn(f"bench_{name}")
-            passes = self.s.sweep_passes
-            print(f"  tuning {name}: {self.s.sweep_jobs:,} jobs x {passes} per setting", flush=True)
+            passes, jobs = self.s.sweep_passes, self.s.sweep_jobs // module.SHARE
+            print(f"  tuning {name}: {jobs:,} jobs x {passes} per setting", flush=True)
             try:
                 self.tuned[name] = sweep(
                     lambda jobs, module=module, dsn=dsn, **kw: module.drain(dsn, jobs, **kw),
                     module.SWEEP,
-                    self.s.sweep_jobs,
+                    jobs,
                     passes,
                 )
             except Exception as exc:
@@ -376,9 +382,9 @@ class Plan:
     def _tuned_drain(
         self, results: Results, section: str, name: str, module: Any, dsn: str
     ) -> None:
-        settings = self.tuned[name].settings
-        row = f"{name} tuned ({describe(settings)})"
-        rate = module.drain(dsn, self.s.jobs, **settings)
+        settings, jobs = self.tuned[name].settings, self.s.jobs // module.SHARE
+        row = f"{name} tuned ({describe(settings)}{share(module, jobs)})"
+        rate = module.drain(dsn, jobs, **settings)
         results.add(section, row, rate, "jobs/s", "sqla-proletarian, best setting")
         results.work(section, row, server_work.take())
 

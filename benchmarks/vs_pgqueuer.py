@@ -26,6 +26,8 @@ from benchmarks.job import JOB_TYPE, PAYLOAD_TEXT
 from benchmarks.procs import Crew, Crews, sample_latencies
 
 DEFAULTS = {"driver": "asyncpg", "batch_size": 10, "processes": 1}
+#: The share of benchmarks.run's jobs it drains: all (see vs_procrastinate).
+SHARE = 1
 #: The tuning sweep: every combination is drained once, and the fastest is "tuned".
 SWEEP = {"driver": ("asyncpg", "psycopg"), "batch_size": (10, 50, 100), "processes": (1, 2)}
 
