@@ -20,26 +20,26 @@ from collections.abc import Callable, Iterator
 
 import sqlalchemy as sa
 
-#: MariaDB's counters read, and the name each is shown under.
+#: MariaDB's counters read, and the name each is shown under; and every ``Com_*`` counter
+#: (the statements by kind: ``Com_insert_select`` is shown as ``INSERT SELECT``).
 _MARIADB = {
     "Innodb_lsn_current": "redo bytes",
     "Handler_write": "inserted",
     "Handler_update": "updated",
     "Handler_delete": "deleted",
     "Questions": "statements",
-    "Com_select": "SELECT",
-    "Com_insert": "INSERT",
-    "Com_update": "UPDATE",
-    "Com_delete": "DELETE",
-    "Com_begin": "BEGIN",
-    "Com_commit": "COMMIT",
-    "Com_rollback": "ROLLBACK",
 }
 _MARIADB_STATUS = sa.text(
-    "SHOW GLOBAL STATUS WHERE Variable_name IN ({})".format(
+    "SHOW GLOBAL STATUS WHERE Variable_name IN ({}) OR Variable_name LIKE 'Com\\_%'".format(
         ", ".join(f"'{name}'" for name in _MARIADB)
     )
 )
+
+
+def _shown(counter: str) -> str:
+    return _MARIADB.get(counter) or counter.removeprefix("Com_").upper().replace("_", " ")
+
+
 _WAL_NOW = sa.text("SELECT pg_current_wal_lsn()::text")
 _WAL_SINCE = sa.text("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), CAST(:since AS pg_lsn))")
 
@@ -94,7 +94,7 @@ class Meter:
             delta = _minus(_minus(self._status(), self._before), self._own)
         finally:
             self.reader.dispose()
-        named = {_MARIADB[name]: n / jobs for name, n in delta.items()}
+        named = {_shown(name): n / jobs for name, n in delta.items()}
         figures = {
             "redo bytes": named["redo bytes"],
             "rows written": named["inserted"] + named["updated"] + named["deleted"],
