@@ -33,7 +33,7 @@ source "$$SP_TESTDB_DIR/env"; \
 $(1)
 endef
 
-.PHONY: venv lint docs dist publish test test-pg18 test-sqla-oldest faults soak quickstart bench bench-quick bench-batches bench-leases bench-profile \
+.PHONY: venv lint docs dist publish test test-pg18 test-sqla-oldest faults soak quickstart bench bench-quick bench-batches bench-leases bench-profile bench-statements \
 	examples.db.install examples.db.uninstall examples.db.recreate clean
 
 venv: $(STAMP)
@@ -166,11 +166,18 @@ bench bench-quick: venv
 	$(VENV)/bin/python -m benchmarks.limited_drain $(if $(filter bench-quick,$@),--jobs 1000 --rounds 1) $(LIMITS_ARGS)
 	$(VENV)/bin/python -m benchmarks.workflows $(if $(filter bench-quick,$@),--jobs 200 --rounds 1,--rounds 2) $(WORKFLOWS_ARGS)
 	$(VENV)/bin/python -m benchmarks.idle $(IDLE_ARGS)
+	$(VENV)/bin/python -m benchmarks.statements $(if $(filter bench-quick,$@),--jobs 1000) $(STATEMENTS_ARGS)
 
 # Lease mode beside transaction mode: drains, polls and drains while a long job runs, the
 # connections long jobs hold, recovery after a SIGKILL; its own section of results.md.
 bench-leases: venv
 	$(VENV)/bin/python -m benchmarks.leases $(LEASES_ARGS)
+
+# Server time per statement on PostgreSQL (pg_stat_statements), with transactions and WAL
+# bytes per job: the raw loop and the library at batch_size 1 and 50, both modes; its own
+# section of results.md. STATEMENTS_ARGS passes options (--jobs N, --top K, --only 1,2,...).
+bench-statements: venv
+	$(VENV)/bin/python -m benchmarks.statements $(STATEMENTS_ARGS)
 
 # Where the worker's client CPU goes per job (cProfile of every worker thread, both modes,
 # batch_size 1 and 50, 1 and 4 threads): its own section of results.md. PROFILE_ARGS passes

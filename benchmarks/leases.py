@@ -37,7 +37,7 @@ from typing import Any
 import sqlalchemy as sa
 
 import sqla_proletarian as sp
-from benchmarks import raw
+from benchmarks import raw, server_work
 from benchmarks.batch_drain import machine
 from benchmarks.fill import check_drained, fill, fresh_tables
 from benchmarks.library import EVENTS, THREADS, count_events, drain, worker
@@ -400,7 +400,11 @@ def _rate(
     unit: str,
     measure: Callable[[], float],
 ) -> Measure:
-    return Measure(f"{section}: {name}", lambda: results.add(section, name, measure(), unit, ref))
+    def run() -> None:
+        results.add(section, name, measure(), unit, ref)
+        results.work(section, name, server_work.take())  # a drain's (benchmarks.server_work)
+
+    return Measure(f"{section}: {name}", run)
 
 
 PART_OF: dict[str, Callable[[Results, Server, argparse.Namespace], list[Measure]]] = {

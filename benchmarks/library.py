@@ -3,6 +3,7 @@ enqueue paths, and its idle latency."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import queue
@@ -19,6 +20,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 import sqla_proletarian as sp
+from benchmarks import server_work
 from benchmarks.fill import check_drained, fill, fresh_tables
 from benchmarks.job import JOB_TYPE, PAYLOAD, PAYLOAD_TEXT
 from benchmarks.procs import Crew, Crews, sample_latencies
@@ -101,7 +103,8 @@ def drain(engine: sa.Engine, jobs: int, **options: Any) -> float:
     queue_worker = worker(engine, **options)
     fresh_tables(engine)
     fill(engine, jobs)
-    elapsed = run_until(queue_worker, jobs)
+    with server_work.metered(engine.url, jobs):
+        elapsed = run_until(queue_worker, jobs)
     check_drained(engine, jobs, f"sqla-proletarian {options}")
     return jobs / elapsed
 
@@ -143,7 +146,8 @@ def drain_counted(engine: sa.Engine, jobs: int, **options: Any) -> Drained:
     fresh_tables(engine)
     fill(engine, jobs)
     before = Counter(EVENTS.counts)
-    elapsed = run_until(queue_worker, jobs)
+    with server_work.metered(engine.url, jobs):
+        elapsed = run_until(queue_worker, jobs)
     check_drained(engine, jobs, f"sqla-proletarian {options}")
     return Drained(jobs / elapsed, problems(runs.runs, EVENTS.counts - before))
 
@@ -169,7 +173,7 @@ def drain_processes(
     fill(engine, jobs)
     runs: Counter[str] = Counter()
     logged: Counter[str] = Counter()
-    with Crews(processes, _drain_child, url, options) as crews:
+    with server_work.metered(url, jobs), Crews(processes, _drain_child, url, options) as crews:
         elapsed = crews.wait_count(jobs)
         crews.stop.set()
         for _ in range(processes):
@@ -177,6 +181,65 @@ def drain_processes(
             runs.update(counted)
             logged.update(events)
     check_drained(engine, jobs, f"sqla-proletarian, {processes} processes")
+    return Drained(jobs / elapsed, problems(runs, logged))
+
+
+def async_url(url: str) -> str:
+    """The URL of the same database through asyncpg (the asyncio worker's driver here)."""
+    return sa.make_url(url).set(drivername="postgresql+asyncpg").render_as_string(False)
+
+
+async def _async_drain(crew: Crew, url: str, options: dict[str, Any]) -> None:
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    engine = create_async_engine(url, pool_size=2 * THREADS + 2)
+    runs = RunCounter()
+
+    async def handler(job: sp.AsyncJobContext) -> None:
+        runs(job)  # type: ignore[arg-type]
+
+    queue_worker = sp.create_async_queue_worker(
+        engine, handler, handler_mode="advanced", concurrency=THREADS, **options
+    )
+    await asyncio.to_thread(crew.ready_and_wait)
+    async with queue_worker:
+        while not crew.stop.is_set():
+            crew.count.value = queue_worker.summary()["succeeded"]
+            if not queue_worker.running:
+                raise RuntimeError(f"the asyncio worker stopped: {queue_worker.exception!r}")
+            await asyncio.sleep(0.002)
+    await engine.dispose()
+    crew.report("counts", dict(runs.runs), dict(EVENTS.counts))
+
+
+def _async_drain_child(crew: Crew, url: str, options: dict[str, Any]) -> None:
+    count_events()
+    asyncio.run(_async_drain(crew, url, options))
+
+
+def drain_async_processes(
+    engine: sa.Engine, url: str, jobs: int, processes: int, **options: Any
+) -> Drained:
+    """Jobs/s of ``processes`` processes each running the asyncio worker on asyncpg
+    (``concurrency`` 4, the threads of the threaded rows), and what they counted."""
+    if not hasattr(sp, "create_async_queue_worker"):
+        raise NotAvailable("n/a (no asyncio worker)")
+    fresh_tables(engine)
+    fill(engine, jobs)
+    runs: Counter[str] = Counter()
+    logged: Counter[str] = Counter()
+    url = async_url(url)
+    with (
+        server_work.metered(engine.url, jobs),
+        Crews(processes, _async_drain_child, url, options) as crews,
+    ):
+        elapsed = crews.wait_count(jobs)
+        crews.stop.set()
+        for _ in range(processes):
+            _, counted, events = crews.next_report(120)
+            runs.update(counted)
+            logged.update(events)
+    check_drained(engine, jobs, f"sqla-proletarian asyncio worker, {processes} processes")
     return Drained(jobs / elapsed, problems(runs, logged))
 
 

@@ -30,6 +30,7 @@ from typing import Any
 import sqlalchemy as sa
 
 import sqla_proletarian as sp
+from benchmarks import server_work
 from benchmarks.fill import check_drained, fill, fresh_tables
 from benchmarks.library import THREADS, count_events, run_until, worker
 from benchmarks.report import RESULTS, write_section
@@ -72,7 +73,8 @@ def one_drain(engine: sa.Engine, jobs: int, options: dict[str, Any], limits: Any
     if limits is not None:
         with engine.begin() as conn:
             sp.set_queue_limits(conn, QUEUE, **limits)
-    elapsed = run_until(worker(engine, **options), jobs)
+    with server_work.metered(engine.url, jobs):
+        elapsed = run_until(worker(engine, **options), jobs)
     check_drained(engine, jobs, f"{options} {limits}")
     return jobs / elapsed
 
@@ -144,6 +146,7 @@ def main() -> int:
     batches = [int(size) for size in args.batch_sizes.split(",")]
     count_events()
     rates: dict[tuple[str, str, int, str], list[float]] = {}
+    work: dict[tuple[str, str, int, str], list[dict[str, float]]] = {}
     lines: list[str] = []
     with engines(args) as found:
         for engine in found:
@@ -170,6 +173,9 @@ def main() -> int:
                                 engine, args.jobs, {**options, "batch_size": batch}, drains[name]
                             )
                             rates.setdefault((server, mode, batch, name), []).append(value)
+                            figures = server_work.take()
+                            if figures:
+                                work.setdefault((server, mode, batch, name), []).append(figures)
                             print(
                                 f"  round {round_ + 1} {mode:16} batch {batch:<3} {name:16} "
                                 f"{value:8,.0f} jobs/s",
@@ -186,7 +192,8 @@ def main() -> int:
                         flag = " (near the rate limit: it may have held the drain back)"
                         lines.append(
                             f"| {server} | {mode} | {batch} | {name} | {spread(values)} | "
-                            f"{held / free:.2f}{flag if near else ''} |"
+                            f"{server_work.median_text(work.get((server, mode, batch, name), []))}"
+                            f" | {held / free:.2f}{flag if near else ''} |"
                         )
     minutes = (time.perf_counter() - started) / 60
     header = [
@@ -198,9 +205,12 @@ def main() -> int:
         "is the drain's over the unlimited one of the same server, mode and batch size.",
         f"- Limits: max_running={args.max_running}, rate_limit={args.rate} (far above the "
         "threads and the drain's speed: they cost their checks, and hold nothing back).",
+        "- Server per job: the median over the rounds of what the server did per job"
+        " (benchmarks.server_work: PostgreSQL's WAL bytes; MariaDB's redo bytes, rows written"
+        " and statements).",
         "",
-        "| server | mode | batch_size | drain | jobs/s | / unlimited |",
-        "|---|---|---|---|---|---|",
+        "| server | mode | batch_size | drain | jobs/s | server per job | / unlimited |",
+        "|---|---|---|---|---|---|---|",
     ]
     body = "\n".join([*header, *lines])
     print(body)

@@ -12,18 +12,33 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from benchmarks import library, raw, scale, vs_pgqueuer, vs_procrastinate
+from benchmarks import library, raw, scale, server_work, vs_pgqueuer, vs_procrastinate
 from benchmarks.batch_drain import server_deadlocks
 from benchmarks.report import Results
 from benchmarks.servers import Server
 
 #: The lease of lease mode's drain rows: far longer than any job here takes.
 LEASE_SECONDS = 30.0
+#: The asyncio worker's rows (PostgreSQL): asyncpg in pgqueuer tuned's usual shape (2
+#: processes), at these batch sizes; the best of all but the first is its "best batch_size".
+ASYNC_PROCESSES = 2
+ASYNC_BATCH_SIZES = (1, 50, 100)
+ASYNC_BEST = "sqla-proletarian asyncio worker (asyncpg), best batch_size"
+
+
+def async_row(batch_size: int) -> str:
+    """The name of an asyncio worker row."""
+    return (
+        f"sqla-proletarian asyncio worker (asyncpg), {ASYNC_PROCESSES} processes x"
+        f" concurrency 4, batch_size={batch_size}"
+    )
+
+
 #: The tags ``--only`` accepts, by kind: a measurement runs when, for every kind named,
 #: one of its tags was named.
 KINDS = {
     "part": ("drain", "enqueue", "latency", "deep", "polls", "memory"),
-    "contender": ("raw", "library", "pgqueuer", "procrastinate"),
+    "contender": ("raw", "library", "asyncio", "pgqueuer", "procrastinate"),
     "server": ("postgresql", "mariadb"),
 }
 
@@ -142,6 +157,11 @@ def _rate(
         results.missing(section, name, unit, str(exc), ref)
 
 
+def share(module: Any, jobs: int) -> str:
+    """``; 2,500 jobs`` for a contender that drains a share of the run's jobs, else nothing."""
+    return f"; {jobs:,} jobs" if module.SHARE != 1 else ""
+
+
 def _tag(*tags: str) -> frozenset[str]:
     return frozenset(tags)
 
@@ -203,11 +223,11 @@ class Plan:
         def add(
             tags: frozenset[str], name: str, ref: str | None, measure: Callable[[], float]
         ) -> None:
-            self._add(
-                tags,
-                f"{section}: {name}",
-                lambda results: _rate(results, section, name, rate, ref, measure),
-            )
+            def run(results: Results) -> None:
+                _rate(results, section, name, rate, ref, measure)
+                results.work(section, name, server_work.take())
+
+            self._add(tags, f"{section}: {name}", run)
 
         add(_tag("drain", "raw", key), raw1, None, lambda: raw.drain(engine, s.jobs, 1))
         add(
@@ -271,12 +291,13 @@ class Plan:
         for name, module, defaults in contenders:
             dsn = pgq if name == "pgqueuer" else pro
             tags = _tag("drain", name, key)
+            jobs = s.jobs // module.SHARE
             add(
                 tags,
-                f"{name} defaults ({describe(defaults)})",
+                f"{name} defaults ({describe(defaults)}{share(module, jobs)})",
                 sp_default,
-                lambda module=module, dsn=dsn, defaults=defaults: module.drain(
-                    dsn, s.jobs, **defaults
+                lambda module=module, dsn=dsn, defaults=defaults, jobs=jobs: module.drain(
+                    dsn, jobs, **defaults
                 ),
             )
             self._add(
@@ -284,6 +305,29 @@ class Plan:
                 f"{section}: {name} tuned",
                 lambda results, name=name, module=module, dsn=dsn: self._tuned_drain(
                     results, section, name, module, dsn
+                ),
+            )
+            if name == "pgqueuer":
+                self._async_drains(engine, url, section)
+
+    def _async_drains(self, engine: sa.Engine, url: str, section: str) -> None:
+        """The asyncio worker's rows, beside pgqueuer's: each given as a ratio to pgqueuer
+        tuned and to the threaded worker's twin (same batch size, or its best setting)."""
+        for batch_size in ASYNC_BATCH_SIZES:
+            twin = (
+                "sqla-proletarian, batch_size=1, ledger on (defaults)"
+                if batch_size == 1
+                else f"sqla-proletarian, batch_size={batch_size}"
+            )
+            self._counted_drain(
+                _tag("drain", "library", "asyncio", "postgresql"),
+                section,
+                async_row(batch_size),
+                "pgqueuer tuned",
+                (twin,),
+                engine,
+                lambda batch_size=batch_size: library.drain_async_processes(
+                    engine, url, self.s.jobs, ASYNC_PROCESSES, batch_size=batch_size
                 ),
             )
 
@@ -310,6 +354,7 @@ class Plan:
             engine.dispose()
             drained.counts["deadlocks"] = server_deadlocks(engine) - before
             results.add(section, name, drained.rate, "jobs/s", ref, also)
+            results.work(section, name, server_work.take())
             results.count(section, name, drained.counts)
 
         self._add(tags, f"{section}: {name}", run)
@@ -321,13 +366,13 @@ class Plan:
             if not wanted(_tag("drain", name, "postgresql"), only):
                 continue
             dsn = server.libpq_dsn(f"bench_{name}")
-            passes = self.s.sweep_passes
-            print(f"  tuning {name}: {self.s.sweep_jobs:,} jobs x {passes} per setting", flush=True)
+            passes, jobs = self.s.sweep_passes, self.s.sweep_jobs // module.SHARE
+            print(f"  tuning {name}: {jobs:,} jobs x {passes} per setting", flush=True)
             try:
                 self.tuned[name] = sweep(
                     lambda jobs, module=module, dsn=dsn, **kw: module.drain(dsn, jobs, **kw),
                     module.SWEEP,
-                    self.s.sweep_jobs,
+                    jobs,
                     passes,
                 )
             except Exception as exc:
@@ -337,14 +382,11 @@ class Plan:
     def _tuned_drain(
         self, results: Results, section: str, name: str, module: Any, dsn: str
     ) -> None:
-        settings = self.tuned[name].settings
-        results.add(
-            section,
-            f"{name} tuned ({describe(settings)})",
-            module.drain(dsn, self.s.jobs, **settings),
-            "jobs/s",
-            "sqla-proletarian, best setting",
-        )
+        settings, jobs = self.tuned[name].settings, self.s.jobs // module.SHARE
+        row = f"{name} tuned ({describe(settings)}{share(module, jobs)})"
+        rate = module.drain(dsn, jobs, **settings)
+        results.add(section, row, rate, "jobs/s", "sqla-proletarian, best setting")
+        results.work(section, row, server_work.take())
 
     # --- enqueue -----------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from benchmarks import server_work
 from benchmarks.fill import check_drained, fill, fresh_tables
 from benchmarks.job import JOB_TYPE, PAYLOAD_TEXT
 
@@ -90,9 +91,10 @@ def drain(engine: sa.Engine, jobs: int, per_transaction: int, threads: int = 4) 
         finally:
             raw.close()
 
-    started = time.perf_counter()
-    _threads(work, threads)
-    elapsed = time.perf_counter() - started
+    with server_work.metered(engine.url, jobs):
+        started = time.perf_counter()
+        _threads(work, threads)
+        elapsed = time.perf_counter() - started
     check_drained(engine, jobs, f"raw SQL, {per_transaction} per transaction")
     return jobs / elapsed
 

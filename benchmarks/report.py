@@ -10,6 +10,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks import server_work
+
 RESULTS = Path(__file__).resolve().parent / "results.md"
 #: A section of the results file that one benchmark writes and the others keep.
 _SECTION = re.compile(r"<!-- section: (\w+) -->\n.*?<!-- end section: \1 -->", re.DOTALL)
@@ -66,6 +68,8 @@ class Row:
     also: tuple[str, ...] = ()
     #: What a drain counted over the rounds (extra handler runs, lost transactions...).
     counts: Counter[str] | None = None
+    #: What the server did per job, a value per round by figure (benchmarks.server_work).
+    work: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def median(self) -> float | None:
@@ -79,6 +83,12 @@ class Row:
             low, high = _number(min(self.values), self.unit), _number(max(self.values), self.unit)
             text += f" ({low}-{high})"
         return text
+
+    def work_text(self) -> str:
+        """The server's work per job, the median over the rounds of each figure."""
+        if not self.work:
+            return ""
+        return server_work.text({name: statistics.median(v) for name, v in self.work.items()})
 
 
 def _number(value: float, unit: str) -> str:
@@ -112,6 +122,12 @@ class Results:
         also: tuple[str, ...] = (),
     ) -> None:
         self.row(section, name, unit, ref, also).values.append(value)
+
+    def work(self, section: str, name: str, figures: dict[str, float] | None) -> None:
+        """Add one round's server work per job to a row (``server_work.take()``)."""
+        row = self.rows[(section, name)]
+        for figure, value in (figures or {}).items():
+            row.work.setdefault(figure, []).append(value)
 
     def count(self, section: str, name: str, counts: Counter[str]) -> None:
         """Add one round's counts to a row (kept even when they are all zero)."""
@@ -149,7 +165,7 @@ class Results:
             return
         top = max(measured, key=lambda row: row.median or 0.0)
         note = top.name.removeprefix("sqla-proletarian, ").removeprefix(f"{prefix(name)}, ")
-        best = Row(section, name, top.unit, ref, list(top.values), note, also, top.counts)
+        best = Row(section, name, top.unit, ref, list(top.values), note, also, top.counts, top.work)
         self.rows.pop((section, name), None)
         keys = list(self.rows)
         last = max(keys.index((row.section, row.name)) for row in rows)
@@ -177,39 +193,49 @@ class Results:
                 ratios.append(f"{row.median / ref.median:.2f}x {ref.name}")
         return "; ".join(ratios)
 
-    def lines(self) -> list[tuple[str, str, str, str]]:
-        """(name, median (min-max), ratio, counts) per row, with a header line per section."""
-        out: list[tuple[str, str, str, str]] = []
+    def lines(self) -> list[tuple[str, str, str, str, str]]:
+        """(name, median (min-max), server work per job, ratio, counts) per row, with a header
+        line per section."""
+        out: list[tuple[str, str, str, str, str]] = []
         section = None
         for row in self.rows.values():
             if row.section != section:
                 section = row.section
-                out.append((f"[{section}, {row.unit}]", "", "", ""))
+                out.append((f"[{section}, {row.unit}]", "", "", "", ""))
             name = row.name if not (row.values and row.note) else f"{row.name} = {row.note}"
-            out.append((name, row.spread(), self.ratio(row), counted(row.counts)))
+            line = (name, row.spread(), row.work_text(), self.ratio(row), counted(row.counts))
+            out.append(line)
         return out
 
     def table(self) -> str:
         lines = self.lines()
-        widths = [max(len(line[i]) for line in lines) for i in range(3)]
+        widths = [max(len(line[i]) for line in lines) for i in range(4)]
         text = []
-        for name, spread, ratio, counts in lines:
+        for name, spread, work, ratio, counts in lines:
             if not spread:
                 text.append(name)
             else:
+                work = f"  {work:<{widths[2]}}" if widths[2] else ""
                 text.append(
-                    f"  {name:<{widths[0]}}  {spread:>{widths[1]}}  {ratio:<{widths[2]}}"
+                    f"  {name:<{widths[0]}}  {spread:>{widths[1]}}{work}  {ratio:<{widths[3]}}"
                     f"  {counts}".rstrip()
                 )
         return "\n".join(text)
 
     def markdown(self) -> str:
-        """The table in Markdown; a column of counts when some row has them."""
+        """The table in Markdown; a column of the server's work per job and one of counts when
+        some row has them."""
+        with_work = any(row.work for row in self.rows.values())
         with_counts = any(row.counts is not None for row in self.rows.values())
-        head = ["figure", "median (min-max)", "ratio"] + ["counted (all rounds)"] * with_counts
-        text = ["| " + " | ".join(head) + " |", "|---|---:|---|" + "---|" * with_counts]
-        for name, spread, ratio, counts in self.lines():
-            cells = [name, spread, ratio] if spread else [f"**{name.strip('[]')}**", "", ""]
+        head = ["figure", "median (min-max)"] + ["server per job (median)"] * with_work
+        head += ["ratio"] + ["counted (all rounds)"] * with_counts
+        align = "|---|---:|" + "---|" * with_work + "---|" + "---|" * with_counts
+        text = ["| " + " | ".join(head) + " |", align]
+        for name, spread, work, ratio, counts in self.lines():
+            if not spread:
+                cells = [f"**{name.strip('[]')}**", ""] + [""] * with_work + [""]
+            else:
+                cells = [name, spread] + [work] * with_work + [ratio]
             cells += [counts] * with_counts
             text.append("| " + " | ".join(cells) + " |")
         return "\n".join(text)

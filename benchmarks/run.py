@@ -4,8 +4,9 @@ table of medians (min-max) and ratios, printed and written to benchmarks/results
     python -m benchmarks.run [--quick] [--only NAME,...] [--rounds R] [--jobs N]
 
 ``--only`` takes parts (drain, enqueue, latency, deep, polls, memory), contenders (raw,
-library, pgqueuer, procrastinate) and servers (postgresql, mariadb): a measurement runs when
-it matches a name of every kind given (``--only pgqueuer,latency``: pgqueuer's latency).
+library, asyncio, pgqueuer, procrastinate) and servers (postgresql, mariadb): a measurement
+runs when it matches a name of every kind given (``--only pgqueuer,latency``: pgqueuer's
+latency; ``asyncio``: the library's asyncio worker rows, which ``library`` includes).
 """
 
 from __future__ import annotations
@@ -28,11 +29,15 @@ import sqla_proletarian as sp
 from benchmarks import vs_procrastinate
 from benchmarks.library import EVENTS, count_events
 from benchmarks.plan import (
+    ASYNC_BATCH_SIZES,
+    ASYNC_BEST,
+    ASYNC_PROCESSES,
     KINDS,
     LEASE_SECONDS,
     Measurement,
     Plan,
     Settings,
+    async_row,
     describe,
     in_mode,
     modes,
@@ -107,6 +112,14 @@ def derive_best(plan: Plan, results: Results) -> None:
                 ref=f"raw SQL, {plan.s.per_transaction} jobs/transaction",
                 also=(*pgqueuer, *twin),
             )
+        if server.is_postgresql:
+            results.best(
+                section,
+                ASYNC_BEST,
+                [async_row(b) for b in ASYNC_BATCH_SIZES[1:]],
+                ref="pgqueuer tuned",
+                also=("sqla-proletarian, best setting",),
+            )
 
 
 def header(settings: Settings, started: datetime, seconds: float, commit: str) -> list[str]:
@@ -134,7 +147,10 @@ def method(s: Settings) -> list[str]:
         " worker's start until every job is done: the library's summary count, or for pgqueuer"
         " and procrastinate the database saying all are done (asked every 20 ms); every drain"
         " is checked (all archived once, none left). Processes are spawned, each with its own"
-        " engine, and told to start together. The library's rows run in both modes, in the"
+        " engine, and told to start together. procrastinate drains"
+        f" {s.jobs // vs_procrastinate.SHARE:,} of the jobs (1/{vs_procrastinate.SHARE}, in"
+        " its sweep too: at its speed that still takes many seconds, and it keeps make bench"
+        " under 45 minutes). The library's rows run in both modes, in the"
         f" same rounds: transaction mode, then lease mode (lease_seconds={LEASE_SECONDS:g};"
         f" batched at batch_size {', '.join(map(str, s.lease_batch_sizes))} only, to keep the"
         " run under 40 minutes);"
@@ -142,6 +158,20 @@ def method(s: Settings) -> list[str]:
         " drain counts the extra runs (a job's handler run more than once), the library's"
         " job-transaction-lost events and the deadlocks the server detected"
         " (Innodb_deadlocks, pg_stat_database.deadlocks); any of them not 0 fails the run.",
+        "Server per job (drains): what the server did from the worker's start until its last"
+        " job was done (not the fill), over the jobs, the median over the rounds"
+        " (benchmarks.server_work): on PostgreSQL the WAL bytes (pg_wal_lsn_diff of"
+        " pg_current_wal_lsn(), the whole server's: autovacuum's and a checkpoint's full-page"
+        " images count too); on MariaDB the redo bytes (Innodb_lsn_current), the rows written"
+        " (Handler_write + Handler_update + Handler_delete) and the statements sent (Questions,"
+        " with their main Com_* kinds), less the meter's own reads.",
+        f"The asyncio worker's rows (PostgreSQL): create_async_queue_worker on"
+        f" postgresql+asyncpg, in {ASYNC_PROCESSES} spawned processes of concurrency 4 (pgqueuer"
+        " tuned's usual shape: asyncpg, 2 processes), transaction mode, ledger on, the same"
+        " counting handler, at batch_size"
+        f" {', '.join(map(str, ASYNC_BATCH_SIZES))}; each with its ratio to pgqueuer tuned and"
+        " to the threaded worker's row of the same batch size; its best batch_size is the"
+        " best of all but batch_size=1.",
         f"Enqueue: bulk = {s.jobs:,} jobs in one call or statement and one commit; per commit"
         f" = {s.commits:,} commits in one thread, a new Connection or Session each.",
         f"Idle latency: a warm-up job, then {s.latency_samples} jobs a round, one at a time,"
@@ -165,9 +195,10 @@ def tuning_notes(plan: Plan) -> list[str]:
     notes = []
     for name, tuned in plan.tuned.items():
         tried = "; ".join(f"{describe(settings)} {rate:,.0f}" for settings, rate in tuned.tried)
+        jobs = plan.s.sweep_jobs // (vs_procrastinate.SHARE if name == "procrastinate" else 1)
         notes.append(
             f"{name} tuned: before round 1, each setting of the sweep drained"
-            f" {plan.s.sweep_jobs:,} jobs {plan.s.sweep_passes} time(s) (all settings in turn,"
+            f" {jobs:,} jobs {plan.s.sweep_passes} time(s) (all settings in turn,"
             f" then again) and the fastest on average was kept; mean jobs/s: {tried}."
         )
     return notes

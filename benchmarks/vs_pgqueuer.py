@@ -21,10 +21,13 @@ from pgqueuer.db import SyncPsycopgDriver
 from pgqueuer.models import Job
 from pgqueuer.queries import SyncQueries
 
+from benchmarks import server_work
 from benchmarks.job import JOB_TYPE, PAYLOAD_TEXT
 from benchmarks.procs import Crew, Crews, sample_latencies
 
 DEFAULTS = {"driver": "asyncpg", "batch_size": 10, "processes": 1}
+#: The share of benchmarks.run's jobs it drains: all (see vs_procrastinate).
+SHARE = 1
 #: The tuning sweep: every combination is drained once, and the fastest is "tuned".
 SWEEP = {"driver": ("asyncpg", "psycopg"), "batch_size": (10, 50, 100), "processes": (1, 2)}
 
@@ -96,7 +99,10 @@ def drain(dsn: str, jobs: int, driver: str, batch_size: int, processes: int) -> 
             done = conn.execute("SELECT count(*) FROM pgqueuer_log WHERE status = 'successful'")
             return done.fetchone() == (jobs,)
 
-        with Crews(processes, _serve_child, dsn, driver, batch_size, False, linger=1) as crews:
+        with (
+            server_work.metered(dsn, jobs),
+            Crews(processes, _serve_child, dsn, driver, batch_size, False, linger=1) as crews,
+        ):
             elapsed = crews.wait_until(drained)
         left = conn.execute("SELECT count(*) FROM pgqueuer").fetchone()
     if left != (0,):

@@ -40,6 +40,7 @@ from typing import Any
 import sqlalchemy as sa
 
 import sqla_proletarian as sp
+from benchmarks import server_work
 from benchmarks.fill import check_drained, fresh_tables
 from benchmarks.job import JOB_TYPE, PAYLOAD
 from benchmarks.library import EVENTS, THREADS, count_events, run_until, worker
@@ -71,6 +72,8 @@ class Measured:
     enqueue: float
     drain: float
     counts: Counter[str] = field(default_factory=Counter)
+    #: What the server did per job of the drain (benchmarks.server_work).
+    work: dict[str, float] = field(default_factory=dict)
 
 
 def enqueue_chain(conn: sa.Connection, jobs: int, linked: bool) -> list[uuid.UUID]:
@@ -119,7 +122,8 @@ def one_drain(
     total = len(ids)
     runs = OrderedRuns()
     before = Counter(EVENTS.counts)
-    elapsed = run_until(worker(engine, runs, handler_mode="advanced", **options), total)
+    with server_work.metered(engine.url, total):
+        elapsed = run_until(worker(engine, runs, handler_mode="advanced", **options), total)
     check_drained(engine, total, f"{shape} {'linked' if linked else 'independent'} {options}")
     logged = EVENTS.counts - before
     counts = Counter(
@@ -129,7 +133,12 @@ def one_drain(
             "out of order": out_of_order(shape, ids, runs.order) if linked else 0,
         }
     )
-    return Measured(total / enqueued, total / elapsed, counts)
+    return Measured(total / enqueued, total / elapsed, counts, server_work.take() or {})
+
+
+def work_text(drains: list[Measured]) -> str:
+    """What the server did per job of these drains, the median of each figure."""
+    return server_work.median_text([one.work for one in drains if one.work])
 
 
 def spread(values: list[float]) -> str:
@@ -194,7 +203,8 @@ def main() -> int:
                     enqueue_ratio = statistics.median(enqueue) / statistics.median(free_enqueue)
                     lines.append(
                         f"| {server} | {mode} | {shape} | {spread(drain)} | {spread(free_drain)} "
-                        f"| {drain_ratio:.2f} | {spread(enqueue)} | {spread(free_enqueue)} "
+                        f"| {drain_ratio:.2f} | {work_text(linked)} | {work_text(free)} "
+                        f"| {spread(enqueue)} | {spread(free_enqueue)} "
                         f"| {enqueue_ratio:.2f} | {counts['extra runs']} "
                         f"| {counts['job-transaction-lost']} | {counts['out of order']} |"
                     )
@@ -213,10 +223,14 @@ def main() -> int:
         "- Extra runs (a job's handler run more than once), `job-transaction-lost` and steps "
         "out of order (a step begun before its dependency's end) are summed over the rounds, "
         "both kinds of drain: each must be 0.",
+        "- Server per job: the median over the rounds of what the server did per job of the"
+        " drain (benchmarks.server_work: PostgreSQL's WAL bytes; MariaDB's redo bytes, rows"
+        " written and statements).",
         "",
         "| server | mode | shape | drain jobs/s | independent | / independent "
+        "| server per job | independent "
         "| enqueue jobs/s | independent | / independent | extra runs | lost | out of order |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     body = "\n".join([*header, *lines])
     print(body)
