@@ -41,6 +41,7 @@ from sqla_proletarian.handlers import (
     AsyncJobContext,
     JobContext,
     JobSession,
+    SessionOnFirstUse,
     StopSignal,
     running_job,
     running_job_maker,
@@ -419,30 +420,35 @@ class AsyncQueueWorker:
         return call
 
     def _context(self, job: JobContext) -> AsyncJobContext:
-        """The AsyncJobContext of a run: its session an AsyncSession over the runner's own
-        JobSession, so the worker's savepoint guards what the handler does through it."""
-        session = job.session
-        assert isinstance(session, JobSession)
-        known = session.info.get(_ASYNC_CONTEXT)
+        """The AsyncJobContext of a run (one per JobContext): its session, made on first
+        read, an AsyncSession over the runner's own JobSession, so the worker's savepoint
+        guards what the handler does through it."""
+        known = job.__dict__.get(_ASYNC_CONTEXT)
         if isinstance(known, AsyncJobContext):
             return known
+        # The fields as they are: the job's Session is not made here.
+        values = {f.name: object.__getattribute__(job, f.name) for f in dataclasses.fields(job)}
+        values["session"] = SessionOnFirstUse(lambda: self._async_session(job))
+        values["cancel_requested"] = _async_event(job.cancel_requested)
+        values["_read_dependencies"] = lambda: job.dependency_results  # read already
+        context = job.__dict__[_ASYNC_CONTEXT] = AsyncJobContext(**values)
+        return context
+
+    def _async_session(self, job: JobContext) -> AsyncSession:
+        """An AsyncSession that proxies the job's own JobSession (no statement is sent)."""
+        session = job.session
+        assert isinstance(session, JobSession)
         # A leased job's session takes its connection on first use, not here.
         bind = (
             self._engine
             if isinstance(session, LeaseSession)
             else AsyncConnection(self._engine, session.job_connection)
         )
-        proxy = AsyncSession(
+        return AsyncSession(
             bind,
             # AsyncSession proxies what its sync_session_class returns: the job's session.
             sync_session_class=cast(type[Session], lambda **_: session),
         )
-        values = {f.name: getattr(job, f.name) for f in dataclasses.fields(job)}
-        values["session"] = proxy
-        values["cancel_requested"] = _async_event(job.cancel_requested)
-        values["_read_dependencies"] = lambda: job.dependency_results  # read already
-        context = session.info[_ASYNC_CONTEXT] = AsyncJobContext(**values)
-        return context
 
     # --- lifecycle ------------------------------------------------------------------------
 

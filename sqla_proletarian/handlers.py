@@ -258,13 +258,23 @@ DependencyReader = Callable[[], dict[uuid.UUID, Any]]
 
 
 class SessionOnFirstUse:
-    """Stands for ``JobContext.session`` until it is first read: a handler that never reads
-    it costs no Session. ``make`` returns the session."""
+    """Stands for ``JobContext.session`` (and ``AsyncJobContext.session``) until it is
+    first read: a handler that never reads it costs no Session. ``make`` returns the
+    session."""
 
     __slots__ = ("make",)
 
-    def __init__(self, make: Callable[[], Session]) -> None:
+    def __init__(self, make: Callable[[], Any]) -> None:
         self.make = make
+
+
+def _session_made_on_first_use(context: Any, name: str) -> Any:
+    """A context's attribute, its session made if this is its first read."""
+    value = object.__getattribute__(context, name)
+    if name == "session" and type(value) is SessionOnFirstUse:
+        value = value.make()
+        object.__setattr__(context, "session", value)
+    return value
 
 
 @dataclass(frozen=True)
@@ -285,11 +295,7 @@ class JobContext(_ClaimedJob):
     _read_dependencies: DependencyReader | None = field(default=None, repr=False, compare=False)
 
     def __getattribute__(self, name: str) -> Any:
-        value = object.__getattribute__(self, name)
-        if name == "session" and type(value) is SessionOnFirstUse:
-            value = value.make()
-            object.__setattr__(self, "session", value)
-        return value
+        return _session_made_on_first_use(self, name)
 
 
 @dataclass(frozen=True)
@@ -306,6 +312,9 @@ class AsyncJobContext(_ClaimedJob):
         default_factory=asyncio.Event, repr=False, compare=False
     )
     _read_dependencies: DependencyReader | None = field(default=None, repr=False, compare=False)
+
+    def __getattribute__(self, name: str) -> Any:
+        return _session_made_on_first_use(self, name)
 
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -34,6 +34,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, c
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 import sqla_proletarian as sp
+from sqla_proletarian.handlers import SessionOnFirstUse
 from sqla_proletarian.models import PeriodicSchedule
 
 if TYPE_CHECKING:
@@ -493,6 +494,44 @@ def test_advanced_mode_session_writes_commit_with_the_archive_and_roll_back_if_t
     outcomes = {(a.job_type, a.status) for a in archived(sync_engine)}
     assert outcomes == {(i, s) for i in IDIOMS for s in ("success", "failure")}
     assert jobs(sync_engine) == []
+
+
+@EVERY_DRIVER
+def test_an_advanced_handlers_session_is_made_on_its_first_read_and_is_the_same_after(
+    async_url: URL, sync_engine: sa.Engine
+) -> None:
+    """The AsyncJobContext's session is not made until the handler (or anything it calls)
+    reads it: a handler that never does costs no Session; one that does gets one
+    AsyncSession, the same at every read, over the job's transaction."""
+    seen: dict[str, list[Any]] = {}
+
+    async def handler(job: sp.AsyncJobContext) -> None:
+        before = type(object.__getattribute__(job, "session"))
+        sessions = [job.session, sp.current_job().session] if job.payload == "reads" else []
+        seen[job.payload] = [before, *sessions]
+        if sessions:
+            await write_note(sessions[0], "flush", "read on first use")
+
+    with Session(sync_engine) as session:
+        sp.enqueue_many(session, [("t", "never reads"), ("t", "reads")])
+        session.commit()
+
+    async def main() -> None:
+        async with (
+            async_engine(async_url) as engine,
+            sp.create_async_queue_worker(
+                engine, handler, handler_mode="advanced", polling_interval=0.05
+            ),
+        ):
+            assert await eventually(lambda: count(sync_engine, sp.ArchivedJob) == 2, 20)
+
+    asyncio.run(main())
+    assert seen["never reads"] == [SessionOnFirstUse]
+    before, first, again = seen["reads"]
+    assert before is SessionOnFirstUse
+    assert isinstance(first, AsyncSession) and again is first
+    assert notes(sync_engine) == ["read on first use"]
+    assert {a.status for a in archived(sync_engine)} == {"success"}
 
 
 def test_stop_waits_for_a_running_job_then_calls_an_async_on_shutdown_once(
