@@ -258,11 +258,13 @@ def _settle(result: Any) -> Any:
         ) from exc
 
 
-def _async_event(signal: threading.Event) -> asyncio.Event:
-    """An asyncio.Event set when the run's stop signal is (from any thread)."""
+def _async_event(signal: threading.Event, loop: asyncio.AbstractEventLoop) -> asyncio.Event:
+    """An asyncio.Event of ``loop``, set when the run's stop signal is (from any thread), at
+    once if it is already."""
     event = asyncio.Event()
+    if signal.is_set():
+        event.set()
     if isinstance(signal, StopSignal):
-        loop = asyncio.get_running_loop()
         signal.add_callback(lambda: loop.call_soon_threadsafe(event.set))
     return event
 
@@ -422,14 +424,18 @@ class AsyncQueueWorker:
     def _context(self, job: JobContext) -> AsyncJobContext:
         """The AsyncJobContext of a run (one per JobContext): its session, made on first
         read, an AsyncSession over the runner's own JobSession, so the worker's savepoint
-        guards what the handler does through it."""
+        guards what the handler does through it; its ``cancel_requested`` made on first
+        read too."""
         known = job.__dict__.get(_ASYNC_CONTEXT)
         if isinstance(known, AsyncJobContext):
             return known
         # The fields as they are: the job's Session is not made here.
         values = {f.name: object.__getattribute__(job, f.name) for f in dataclasses.fields(job)}
         values["session"] = SessionOnFirstUse(lambda: self._async_session(job))
-        values["cancel_requested"] = _async_event(job.cancel_requested)
+        loop = asyncio.get_running_loop()
+        values["cancel_requested"] = SessionOnFirstUse(
+            lambda: _async_event(job.cancel_requested, loop)
+        )
         values["_read_dependencies"] = lambda: job.dependency_results  # read already
         context = job.__dict__[_ASYNC_CONTEXT] = AsyncJobContext(**values)
         return context

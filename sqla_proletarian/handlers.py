@@ -258,9 +258,9 @@ DependencyReader = Callable[[], dict[uuid.UUID, Any]]
 
 
 class SessionOnFirstUse:
-    """Stands for ``JobContext.session`` (and ``AsyncJobContext.session``) until it is
-    first read: a handler that never reads it costs no Session. ``make`` returns the
-    session."""
+    """Stands for a context's ``session`` (or, in an AsyncJobContext, its
+    ``cancel_requested``) until it is first read: a handler that never reads it costs no
+    Session (or Event). ``make`` returns the value."""
 
     __slots__ = ("make",)
 
@@ -269,11 +269,11 @@ class SessionOnFirstUse:
 
 
 def _session_made_on_first_use(context: Any, name: str) -> Any:
-    """A context's attribute, its session made if this is its first read."""
+    """A context's attribute, made if this is its first read (see SessionOnFirstUse)."""
     value = object.__getattribute__(context, name)
-    if name == "session" and type(value) is SessionOnFirstUse:
+    if type(value) is SessionOnFirstUse:
         value = value.make()
-        object.__setattr__(context, "session", value)
+        object.__setattr__(context, name, value)
     return value
 
 
