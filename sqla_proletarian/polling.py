@@ -143,7 +143,8 @@ class Polling:
 
     ``current`` gives the calling poller (a thread, a task); ``guard`` is held while the
     watcher changes hands (the threads' lock; tasks of one event loop need none);
-    ``wake_all`` ends every idle poller's wait; ``listener`` gives the worker's LISTEN
+    ``wake_all`` ends every idle poller's wait, ``wake_one`` one's (by default every one's);
+    ``listener`` gives the worker's LISTEN
     listener, if it has one; ``await_result`` awaits what on_polling_error returned when it
     is awaitable (asyncio; the threaded worker gives none).
     """
@@ -157,6 +158,7 @@ class Polling:
         current: Callable[[], object],
         wake_all: Callable[[], None],
         listener: Callable[[], Listening | None],
+        wake_one: Callable[[], None] | None = None,
         guard: AbstractContextManager[Any] | None = None,
         await_result: Callable[[Any], Any] | None = None,
     ) -> None:
@@ -174,6 +176,7 @@ class Polling:
         self.watcher: object | None = None
         self._current = current
         self._wake_all = wake_all
+        self._wake_one = wake_one
         self._listener = listener
         self._guard: AbstractContextManager[Any] = guard if guard is not None else nullcontext()
         self._await_result = await_result
@@ -256,12 +259,17 @@ class Polling:
         return min(interval, due_in + DUE_MARGIN if due_in > 0 else interval)
 
     def end_watch(self) -> None:
-        """The calling poller claimed jobs or ends: if it was the watcher, every idle poller
-        polls (more jobs may be due), and the first to find the queue empty watches next."""
+        """The calling poller claimed jobs: more may be due. With ``wake_one``, another idle
+        poller polls (and, claiming, wakes the next); without, if the caller was the
+        watcher, every idle poller polls. The first to find the queue empty watches next."""
         with self._guard:
-            if self.watcher is not None and self.watcher is self._current():
+            was_watching = self.watcher is not None and self.watcher is self._current()
+            if was_watching:
                 self.watcher = None
-                self._wake_all()
+                if self._wake_one is None:
+                    self._wake_all()
+        if self._wake_one is not None:
+            self._wake_one()
 
     def polling_error(self, exc: Exception) -> bool:
         """Log a polling error that is not transient and hand it to on_polling_error; True

@@ -125,11 +125,18 @@ class _Listening:
     """What both listeners keep: the queues whose notifications wake the worker, and whether
     LISTEN is in effect."""
 
-    def __init__(self, queues: tuple[str, ...], wake: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        queues: tuple[str, ...],
+        wake: Callable[[], None],
+        notified: Callable[[], None] | None = None,
+    ) -> None:
         self.queues = frozenset(queues)
         #: The queues, in the worker's order, as logs and thread names show them.
         self.name = ",".join(queues)
+        #: Wakes every idle poller (LISTEN began or ended); ``notify``, one (a job committed).
         self.wake = wake
+        self.notify = notified or wake
         #: Its connection's failures, logged as one outage until it listens again.
         self.outage = Outage("listen-error", queue=self.name)
         #: True while LISTEN is in effect: a commit then wakes the worker (see ``_listening``).
@@ -138,7 +145,7 @@ class _Listening:
     def _notified(self, payload: str) -> None:
         """A notification for ``payload``'s queue: wake the worker if it serves it."""
         if payload in self.queues:
-            self.wake()
+            self.notify()
 
     def _listening(self, listening: bool) -> None:
         """Note whether LISTEN is in effect, waking the worker at each change: it polls once
@@ -159,8 +166,14 @@ class Listener(_Listening):
     while it was not.
     """
 
-    def __init__(self, engine: Engine, queues: tuple[str, ...], wake: Callable[[], None]) -> None:
-        super().__init__(queues, wake)
+    def __init__(
+        self,
+        engine: Engine,
+        queues: tuple[str, ...],
+        wake: Callable[[], None],
+        notified: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__(queues, wake, notified)
         self.engine = engine
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{self.name}-listener", daemon=True)
@@ -213,7 +226,7 @@ class Listener(_Listening):
                         driver.poll()
                         notes, driver.notifies[:] = list(driver.notifies), []
                         if any(note.payload in self.queues for note in notes):
-                            self.wake()
+                            self.notify()
         finally:
             self._listening(False)
             driver.close()

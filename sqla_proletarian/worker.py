@@ -115,16 +115,21 @@ class QueueWorker:
         self._counts_lock = threading.Lock()
         self._wakeup = threading.Event()
         #: Transaction mode: one idle thread at a time (the watcher) polls; the others wait on
-        #: ``_idle_threads`` until ``_wakes`` (a count of wake-ups) moves on. Lease mode: the
-        #: poller waits on ``_wakeup``.
+        #: ``_idle_threads`` until ``_wakes`` (a count of wake-ups) moves on, or they take
+        #: the turn ``_wake_one`` leaves (``_turn``). Lease mode: the poller waits on
+        #: ``_wakeup``.
         self._idle_threads = threading.Condition()
         self._wakes = 0
+        self._turn = False
+        #: The thread the turn is for (the watcher, when a job was NOTIFYed), or None: any.
+        self._turn_for: object | None = None
         self._polling = Polling(
             options,
             self._runner,
             self._scheduler,
             current=threading.current_thread,
             wake_all=self._wake_all,
+            wake_one=lambda: self._wake_one(watcher=False),
             listener=lambda: self._listener,
             guard=self._idle_threads,
         )
@@ -169,7 +174,9 @@ class QueueWorker:
             self._install_signal_handlers()
         wakeups.register(self._engine, self.options.queues, self)
         if not self.options.poll_only and wakeups.Listener.supported(self._engine):
-            self._listener = wakeups.Listener(self._engine, self.options.queues, self.wake)
+            self._listener = wakeups.Listener(
+                self._engine, self.options.queues, self.wake, notified=self._wake_one
+            )
             self._listener.start()
         log_event(
             logging.INFO,
@@ -378,6 +385,12 @@ class QueueWorker:
         try:
             while not self._stopping.is_set():
                 wakes = self._wakes  # before the poll: a wake-up during it is not missed
+                # A turn left before this poll began (for this thread, or any) is taken by it:
+                # it sees what woke.
+                if self._turn and self._turn_for in (None, threading.current_thread()):
+                    with self._idle_threads:
+                        if self._turn_for in (None, threading.current_thread()):
+                            self._turn = False
                 match poller.step():
                     case Backoff(pause):
                         self._stopping.wait(pause)
@@ -399,8 +412,12 @@ class QueueWorker:
                 self._wakeup.clear()
             return
         deadline = None if pause is None else time.monotonic() + pause
+        current = threading.current_thread()
         with self._idle_threads:
             while self._wakes == wakes and not self._stopping.is_set():
+                if self._turn and self._turn_for in (None, current):
+                    self._turn = False
+                    return
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return
@@ -412,6 +429,23 @@ class QueueWorker:
             self._wakes += 1
             self._idle_threads.notify_all()
         self._wakeup.set()
+
+    def _wake_one(self, watcher: bool = True) -> None:
+        """End one idle thread's wait (or, if none waits, that of the next to wait, unless a
+        poll begins first): it polls once. ``watcher``: the watcher's, if there is one (a
+        NOTIFYed job; it also learns of a job scheduled ahead); else any idle thread's (a
+        claim that may leave more jobs due: the thread it wakes, claiming, wakes the next).
+        So a single job's start does not wait behind every idle thread's empty poll."""
+        if not self._polling.shared_idle:
+            self._wakeup.set()
+            return
+        with self._idle_threads:
+            self._turn = True
+            self._turn_for = self._polling.watcher if watcher else None
+            if self._turn_for is None:
+                self._idle_threads.notify()
+            else:
+                self._idle_threads.notify_all()
 
     # --- lease mode: one poller feeds the threads -----------------------------------------
 
