@@ -36,6 +36,8 @@ from sqla_proletarian.statements import (
     inspection,
     leases,
     owners,
+    progress,
+    results,
     runs,
     workflows,
 )
@@ -303,6 +305,29 @@ def first_entry(dialect: Dialect) -> Statement:
 def first_entry_after(dialect: Dialect) -> Statement:
     """MySQL and MariaDB, after ``first_entry``: the next priority, one hop each."""
     return claim.first_entry(QUEUE, after=0)
+
+
+@_hot({JOB: JOB_ID_INDEX})
+def relock(dialect: Dialect) -> Statement:
+    """A job whose outcome could not be written: claimed again by id, to write it."""
+    return claim.relock(IDS[0])
+
+
+# --- a job's run: what its handler asks for ---------------------------------------------------
+
+
+@_hot({DEPENDENCY: DEPENDENCY_KEY, ARCHIVE: ARCHIVE_KEY})
+def dependency_results(dialect: Dialect) -> Statement:
+    """A handler that reads ``job.dependency_results``: its dependencies' archive rows."""
+    return results.dependency_results(IDS[0])
+
+
+@_hot()
+def write_progress(dialect: Dialect) -> Statement:
+    """A handler that reports progress: at most once per ``progress_interval``, and when it
+    returns, its progress row replaced."""
+    (statement,) = progress.write_progress(dialect.archive_upsert, IDS[0], 0.5, "half", NOW)
+    return statement
 
 
 # --- the crash ledger -------------------------------------------------------------------------

@@ -272,14 +272,20 @@ MODES: dict[str, dict[str, Any]] = {
 
 
 class Handler:
-    """``ok`` succeeds; ``doomed`` raises (one retry, then it fails); ``snoozy`` snoozes once;
-    ``slow`` runs long enough for lease heartbeats."""
+    """``ok`` succeeds, with its payload as its result where it is a number, and reads its
+    dependencies' results where it has some; ``doomed`` raises (one retry, then it fails);
+    ``snoozy`` snoozes once; ``slow`` reports progress and runs long enough for lease
+    heartbeats."""
 
     def __init__(self) -> None:
         self.snoozed: set[Any] = set()
         self.lock = threading.Lock()
 
-    def __call__(self, job_type: str, payload: Any) -> None:
+    def __call__(self, job_type: str, payload: Any) -> Any:
+        if job_type == "ok":
+            if payload in ("chain-2", "join"):
+                return len(sp.current_job().dependency_results)
+            return payload if isinstance(payload, int) else None
         if job_type == "doomed":
             raise RuntimeError("doomed")
         if job_type == "snoozy":
@@ -289,7 +295,9 @@ class Handler:
             if first:
                 raise sp.Snooze(0)
         if job_type == "slow":
+            sp.current_job().set_progress(0.5, "half")
             time.sleep(0.4)
+        return None
 
 
 def enqueue_work(engine: sa.Engine) -> None:
