@@ -41,8 +41,7 @@ from sqla_proletarian.statements import (
     runs,
     workflows,
 )
-from sqla_proletarian.statements.base import _OF_JOBS, ARCHIVE, JOB, LIMITS, RUN, SLOTS, STARTS
-from sqla_proletarian.statements.base import _delete_by as _delete_by_key
+from sqla_proletarian.statements.base import ARCHIVE, JOB, LIMITS, PAUSED, RUN, SLOTS, STARTS
 from sqla_proletarian.statements.workflows import DEPENDENCY
 
 #: The indexes the hot path reads (MySQL and MariaDB call a primary key ``PRIMARY``).
@@ -231,7 +230,7 @@ def _register_polls() -> None:
                 name = ("poll_first" if first else "poll") + ("_limited" if limited else "")
                 reads: dict[Any, str | tuple[str, ...]] = {
                     JOB: POLL_INDEX,
-                    "proletarian_paused_queue": PAUSED_KEY,
+                    PAUSED: PAUSED_KEY,
                 }
                 if not limited:
                     reads[LIMITS] = LIMITS_KEY
@@ -275,26 +274,27 @@ def _poll_builder(
 _register_polls()
 
 
-@_hot({JOB: POLL_INDEX, "proletarian_paused_queue": PAUSED_KEY}, _recursive)
+@_hot({JOB: POLL_INDEX, PAUSED: PAUSED_KEY}, _recursive)
 def due_run_orders(dialect: Dialect) -> Statement:
     """A claim whose first poll took fewer jobs than it wants (or every claim, where the
     server cannot find the priority in the poll): the queue's priorities that have due jobs."""
     return claim.due_run_orders(QUEUE, NOW)
 
 
-@_hot({JOB: POLL_INDEX, "proletarian_paused_queue": PAUSED_KEY}, _recursive)
+@_hot({JOB: POLL_INDEX, PAUSED: PAUSED_KEY}, _recursive)
 def next_due(dialect: Dialect) -> Statement:
     """An idle worker, after a poll that found nothing: when the queue's next job is due."""
     return claim.next_due(QUEUE)
 
 
-@_hot({JOB: POLL_INDEX, "proletarian_paused_queue": PAUSED_KEY}, _recursive)
+@_hot({JOB: POLL_INDEX, PAUSED: PAUSED_KEY}, _recursive)
 def due_job(dialect: Dialect) -> Statement:
-    """An idle worker woken up: whether a job of its queues is due, before it claims."""
+    """A ``burst`` worker's wait for due jobs (and SQLite's claims, before they take the write
+    lock): whether a job of its queues is due."""
     return inspection.due_job(QUEUE, NOW)
 
 
-@_hot({JOB: POLL_INDEX, "proletarian_paused_queue": PAUSED_KEY}, _hops)
+@_hot({JOB: POLL_INDEX, PAUSED: PAUSED_KEY}, _hops)
 def first_entry(dialect: Dialect) -> Statement:
     """MySQL and MariaDB, every claim and idle poll: the queue's first priority and its
     earliest job (one entry of the poll index)."""
@@ -361,7 +361,8 @@ def runs_of(dialect: Dialect) -> Statement:
 def end_claim_runs(dialect: Dialect) -> Statement:
     """The end of a claim on MySQL and MariaDB (elsewhere, of a claim whose jobs all failed
     or were retried): the run records of the jobs it ended."""
-    return _delete_by_key(RUN, _OF_JOBS, "ended", dialect.force_index), {"ended": IDS}
+    (statement,) = finish.end_claim_runs(IDS, {}, force_index=dialect.force_index)
+    return statement
 
 
 @_hot({RUN: (RUN_JOB_INDEX, RUN_KEY)})
@@ -468,7 +469,8 @@ def archive_succeeded_copy(dialect: Dialect) -> Statement:
 def delete_jobs(dialect: Dialect) -> Statement:
     """The end of a claim with succeeded jobs on MySQL and MariaDB, after their copy; lease
     mode's grouped ends everywhere: the jobs' rows."""
-    return _delete_by_key(JOB, ("job_id",), "ids", dialect.force_index), {"ids": IDS}
+    _, delete = leases.end_leases(IDS, [TOKEN], force_index=dialect.force_index)
+    return delete, {"ids": IDS}
 
 
 @_hot({ARCHIVE: ARCHIVE_KEY})
@@ -725,20 +727,20 @@ def lock_limits(dialect: Dialect) -> Statement:
     return flow.lock_limits(QUEUE)
 
 
-@_hot({JOB: POLL_INDEX, "proletarian_paused_queue": PAUSED_KEY})
+@_hot({JOB: POLL_INDEX, PAUSED: PAUSED_KEY})
 def candidates(dialect: Dialect) -> Statement:
     """A claim of a queue with per-key limits: due jobs in claim order, with their keys (first
     with no key full and no job seen)."""
     return flow.candidates(QUEUE, NOW, 50, full=[], seen=[])
 
 
-@_hot({JOB: JOB_ID_INDEX, "proletarian_paused_queue": PAUSED_KEY, RUN: RUN_JOB_INDEX})
+@_hot({JOB: JOB_ID_INDEX, PAUSED: PAUSED_KEY, RUN: RUN_JOB_INDEX})
 def lock_job(dialect: Dialect) -> Statement:
     """A claim of a queue with per-key limits, the crash ledger on: each candidate taken."""
     return flow.lock_job(IDS[0], QUEUE, NOW, with_runs=True)
 
 
-@_hot({JOB: JOB_ID_INDEX, "proletarian_paused_queue": PAUSED_KEY})
+@_hot({JOB: JOB_ID_INDEX, PAUSED: PAUSED_KEY})
 def lock_job_untracked(dialect: Dialect) -> Statement:
     """A claim of a queue with per-key limits, the crash ledger off: each candidate taken."""
     return flow.lock_job(IDS[0], QUEUE, NOW, with_runs=False)
