@@ -129,7 +129,7 @@ def compiled_text(statement: Executable, params: Any, sql_dialect: SQLDialect) -
 
 
 _PLACEHOLDER = re.compile(
-    r"%\(\w+\)[sb]|%s|__\[POSTCOMPILE_\w+\]"
+    r"%\(\w+\)[sb]|%s|\$\d+|__\[POSTCOMPILE_\w+\]"
     # An empty expanding IN (or NOT IN) list, as SQLAlchemy renders it.
     r"|\(SELECT CAST\(NULL AS [\w ()\[\]]+?\) WHERE 1!=1\)"
     r"|\(NULL\) (?:AND \(1 != 1\)|OR \(1 = 1\))"

@@ -4,11 +4,13 @@ and large tables right after their inserts: no statement reads the queue, the ar
 records or the dependency table whole, whatever the statistics say. And the registry is
 complete: the statements a worker sends while it drains queues in each mode (transaction and
 lease, one job a claim and batches, the crash ledger on and off, limits, dependencies,
-retries, failures, snoozes, heartbeats) each match one entry, so a statement added to the hot
+retries, failures, snoozes, heartbeats, results, progress; the threaded worker and the asyncio
+worker) each match one entry, so a statement added to the hot
 path without an entry (and so without a plan check) fails here."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import re
 import threading
@@ -21,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import sqlalchemy as sa
 from helpers import wait_for
+from sqlalchemy.engine import Dialect
+from test_asyncio import DEFAULT_DRIVER, PREFIX, async_engine, eventually
 from test_query_plan import explain_as_sent, plan_nodes
 
 import sqla_proletarian as sp
@@ -368,20 +372,82 @@ def drain(database: Database, engine: sa.Engine, options: dict[str, Any]) -> dic
     return sent
 
 
+#: The asyncio worker's modes, drained through the backend's default async driver.
+ASYNC_MODES: dict[str, dict[str, Any]] = {
+    "asyncio": {},
+    "asyncio, lease, batches": {"lease_seconds": 5, "heartbeat_interval": 0.1, "batch_size": 10},
+}
+
+
+async def async_handler(job_type: str, payload: Any) -> Any:
+    """As ``Handler``, for the asyncio worker: ``doomed`` raises, ``slow`` runs a while."""
+    if job_type == "doomed":
+        raise RuntimeError("doomed")
+    if job_type == "slow":
+        await asyncio.sleep(0.4)
+    return payload if isinstance(payload, int) else None
+
+
+def async_drain(
+    database: Database, engine: sa.Engine, options: dict[str, Any]
+) -> tuple[dict[str, int], Dialect]:
+    """The SQL texts an asyncio worker of ``options`` sent while it drained the queues, and
+    its driver's dialect."""
+    sent: dict[str, int] = {}
+    url = database.url.set(
+        drivername=f"{PREFIX[database.backend]}+{DEFAULT_DRIVER[database.backend]}"
+    )
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        sent[statement] = sent.get(statement, 0) + 1
+
+    async def run() -> Dialect:
+        enqueue_work(engine)
+        async with async_engine(url, pool_size=10) as worker_engine:
+            sa.event.listen(worker_engine.sync_engine, "before_cursor_execute", record)
+            worker = sp.create_async_queue_worker(
+                worker_engine,
+                async_handler,
+                queues=[PLAIN, LIMITED],
+                concurrency=2,
+                polling_interval=0.05,
+                retry_strategy=lambda job, exc: sp.RetryStrategy(1),
+                **options,
+            )
+            await worker.start()
+            try:
+                assert await eventually(lambda: queued(engine) == 0, timeout=60), options
+            finally:
+                await worker.stop()
+            return worker_engine.sync_engine.dialect
+
+    return sent, asyncio.run(run())
+
+
 def test_the_registry_names_every_statement_a_worker_sends_in_each_mode(
     database: Database, engine: sa.Engine, backend: str, limited_queue: None
 ) -> None:
-    """Drains in each mode: every SQL text the worker sent has the shape of one entry's
-    statement on this server (its parameters left out); the text of a statement no entry
-    names is reported with the modes that sent it."""
+    """Drains in each mode, by the threaded worker and by the asyncio worker (asyncpg,
+    aiomysql): every SQL text the worker sent has the shape of one entry's statement on this
+    server and driver (its parameters left out); the text of a statement no entry names is
+    reported with the modes that sent it."""
     only_servers(backend)
     dialect = dialect_of(engine)
     known = {shape(entry.text(dialect, engine.dialect)) for entry in hot_path.hot_path(dialect)}
     unnamed: dict[str, tuple[str, set[str]]] = {}
-    for mode, options in MODES.items():
-        for text in drain(database, engine, options):
+
+    def name(texts: dict[str, int], mode: str, known: set[str]) -> None:
+        assert texts, f"{mode}: the worker sent nothing the listener saw"
+        for text in texts:
             if shape(text) not in known:
                 _, modes = unnamed.setdefault(shape(text), (" ".join(text.split()), set()))
                 modes.add(mode)
+
+    for mode, options in MODES.items():
+        name(drain(database, engine, options), mode, known)
+    for mode, options in ASYNC_MODES.items():
+        texts, async_dialect = async_drain(database, engine, options)
+        entries = hot_path.hot_path(dialect)
+        name(texts, mode, {shape(entry.text(dialect, async_dialect)) for entry in entries})
     lines = [f"{', '.join(sorted(modes))}: {text}" for text, modes in sorted(unnamed.values())]
     assert not unnamed, "statements no entry of hot_path names:\n" + "\n".join(lines)
