@@ -97,7 +97,8 @@ PSYCOPG2_TESTS := tests/integration/test_hardening.py tests/integration/test_wor
 PG18_TESTS := $(PSYCOPG2_TESTS) tests/integration/test_lifecycle.py \
 	tests/integration/test_crash.py tests/integration/test_crash_loop.py \
 	tests/integration/test_concurrency.py tests/integration/test_shutdown.py \
-	tests/integration/test_query_plan.py tests/integration/test_unique_jobs.py
+	tests/integration/test_query_plan.py tests/integration/test_hot_path_plans.py \
+	tests/integration/test_unique_jobs.py
 PG18_RUN = if [ -n "$${SP_TEST_POSTGRESQL18_URL:-}" ]; then \
 	SP_TEST_BACKENDS=postgresql SP_TEST_POSTGRESQL_VERSION=18 \
 	SP_TEST_POSTGRESQL_URL="$$SP_TEST_POSTGRESQL18_URL" \

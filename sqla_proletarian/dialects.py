@@ -45,6 +45,9 @@ InsertOrNothing = Literal[
 #: only with fresh statistics: with a new table's, it reads every job of the queue).
 PriorityScan = Literal["recursive", "hops"]
 
+#: MariaDB's idle-transaction limits of the session (``Dialect.idle_timeout``).
+IDLE_LIMITS = "SELECT @@idle_transaction_timeout, @@idle_write_transaction_timeout"
+
 
 @dataclass(frozen=True)
 class Dialect:
@@ -148,9 +151,7 @@ class Dialect:
         """
         if not getattr(conn.dialect, "is_mariadb", False):
             return None
-        row = conn.exec_driver_sql(
-            "SELECT @@idle_transaction_timeout, @@idle_write_transaction_timeout"
-        ).one()
+        row = conn.exec_driver_sql(IDLE_LIMITS).one()
         conn.rollback()
         limits = [float(value) for value in row if value]
         return min(limits) if limits else None

@@ -13,7 +13,9 @@ the one named place of its queries:
 - ``runs`` and ``owners``: the crash ledger's run records and their owners' locks;
 - ``periodic``, ``pausing``, ``housekeeping``: schedules, paused queues, pruning;
 - ``leased``, ``inspection``, ``dashboard``: reads of the queue from outside a worker;
-- ``results``: jobs' results and the rows of those waiting for them.
+- ``results``: jobs' results and the rows of those waiting for them;
+- ``hot_path``: the registry of the statements a worker sends per claim and per job, each
+  with when it runs and the index it reads (their plans are checked by a test).
 """
 
 from sqla_proletarian.statements.base import (

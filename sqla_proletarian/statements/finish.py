@@ -159,8 +159,11 @@ def _upserted(upsert: ArchiveUpsert, rows: Select[Any] | None = None) -> Insert:
 @cache
 def _succeeded_returning(upsert: ArchiveUpsert) -> Executable:
     done = delete(JOB).where(JOB.c.job_id == _any("ids")).returning(*JOB_COLUMNS).cte("done")
-    runs = delete(RUN).where((RUN.c.job_id == _any("ended")) | (RUN.c.run_id == _any("own")))
-    statement = _upserted(upsert, _as_archived(done.c)).add_cte(done).add_cte(runs.cte("runs"))
+    # Two deletes, each through its index: an OR of both reads the whole table where the
+    # planner has no statistics (a table never analyzed).
+    ended = delete(RUN).where(RUN.c.job_id == _any("ended")).cte("ended_runs")
+    own = delete(RUN).where(RUN.c.run_id == _any("own")).cte("own_runs")
+    statement = _upserted(upsert, _as_archived(done.c)).add_cte(done).add_cte(ended).add_cte(own)
     statement = statement.returning(waiting_for(_any("ids")))
     return statement.execution_options(preserve_rowcount=True)
 

@@ -36,7 +36,7 @@ from sqla_proletarian.statements.base import (
     STARTS,
     Statement,
 )
-from sqla_proletarian.statements.claim import _RUNS
+from sqla_proletarian.statements.claim import _BY_POLL_INDEX, _RUNS
 
 _QUEUE: Any = bindparam("queue")
 _NOW = bindparam("now", type_=JOB.c.process_at.type)
@@ -257,6 +257,9 @@ def _candidates(limit: int) -> Select[Any]:
         )
         .order_by(JOB.c.run_order, JOB.c.process_at, JOB.c.seq)
         .limit(limit)
+        # MySQL and MariaDB would rather scan a small table (and sort it).
+        .with_hint(JOB, _BY_POLL_INDEX, "mysql")
+        .with_hint(JOB, _BY_POLL_INDEX, "mariadb")
     )
 
 

@@ -204,12 +204,19 @@ def release(ended: dict[uuid.UUID, int]) -> Many:
 
 # --- the sweep: ends that no settle counted --------------------------------------------------
 
+#: Whether the job a row waits for is still in the queue: a probe of the job-id index per
+#: row (a subquery with a LIMIT, which PostgreSQL does not turn into a join: as NOT EXISTS it
+#: would hash the whole job table, statistics fresh or not).
+_STILL_QUEUED = (
+    select(literal(1))
+    .where(JOB.c.job_id == DEPENDENCY.c.depends_on)
+    .correlate(DEPENDENCY)
+    .limit(1)
+    .scalar_subquery()
+)
 _STRANDED = (
     select(DEPENDENCY.c.depends_on)
-    .where(
-        DEPENDENCY.c.pending == true(),
-        ~exists().where(JOB.c.job_id == DEPENDENCY.c.depends_on),
-    )
+    .where(DEPENDENCY.c.pending == true(), _STILL_QUEUED.is_(None))
     .distinct()
     .limit(500)
 )

@@ -443,13 +443,16 @@ def test_a_claims_multi_row_statements_read_their_indexes_on_a_small_mariadb_tab
         assert (row["key"], row["type"]) == (key, "range"), row
 
 
-def explain_as_sent(engine: sa.Engine, statement: Statement) -> list[dict[str, Any]]:
+def explain_as_sent(
+    engine: sa.Engine, statement: Statement, prefix: str = "EXPLAIN "
+) -> list[dict[str, Any]]:
     """MariaDB's plan of a statement (DML included) as the driver sends it, its parameters
-    bound; the statement then runs in a transaction that is rolled back."""
+    bound (or the plan another ``prefix`` asks for); the statement then runs in a
+    transaction that is rolled back."""
     plans: list[dict[str, Any]] = []
 
     def explain_first(conn: Any, cursor: Any, text: str, parameters: Any, *args: Any) -> None:
-        cursor.execute("EXPLAIN " + text, parameters)
+        cursor.execute(prefix + text, parameters)
         names = [column[0] for column in cursor.description]
         plans.extend(dict(zip(names, row, strict=True)) for row in cursor.fetchall())
 
