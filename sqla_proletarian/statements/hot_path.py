@@ -559,7 +559,7 @@ def count_down(dialect: Dialect) -> Statement:
 @_hot({JOB: JOB_ID_INDEX})
 def release_dependents(dialect: Dialect) -> Statement:
     """The end of a dependent's last dependency: the dependent made due."""
-    return _one_row(workflows.release([IDS[1]]))
+    return _one_row(workflows.release({IDS[1]: 1}))
 
 
 @_hot(sent_by=_notifies)
