@@ -69,6 +69,9 @@ class Dialect:
     ledger_reset: tuple[str, ...] = ()
     #: Whether one statement can delete a job and its run records (a DML CTE).
     deletes_runs_with_job: bool = False
+    #: An end's settle locks the rows waiting for it and marks them counted in one statement
+    #: (PostgreSQL: a locking CTE and an UPDATE ... FROM it).
+    settles_in_one: bool = False
     #: Whether many jobs are enqueued with one ``INSERT ... SELECT unnest(...)`` (PostgreSQL
     #: arrays) rather than an executemany (which PyMySQL sends as multi-row INSERTs).
     bulk_insert_unnest: bool = False
@@ -219,6 +222,7 @@ DIALECTS: dict[str, Dialect] = {
         ledger_setup=("SET synchronous_commit TO OFF",),
         ledger_reset=("RESET synchronous_commit",),
         deletes_runs_with_job=True,
+        settles_in_one=True,
         bulk_insert_unnest=True,
         insert_or_nothing="postgresql_on_conflict",
         snapshot_conflict_fails=True,

@@ -231,7 +231,7 @@ def settle(
     pending: dict[uuid.UUID, str] = dict(ended)
     woken: set[str] = set()
     while pending:
-        edges = _pending_edges(conn, list(pending))
+        edges = _pending_edges(conn, list(pending), dialect.settles_in_one)
         if not edges:
             break
         waits = [(job_id, on) for job_id, on, kind in edges if kind == WAIT_KIND]
@@ -243,7 +243,8 @@ def settle(
                     conn.execute(*wsql.notify_done(on))
         if not counted:
             break
-        conn.execute(*wsql.settle_edges(counted))
+        if not dialect.settles_in_one:
+            conn.execute(*wsql.settle_edges(counted))
         pending = _count_ends(conn, edges, pending, dialect, now, woken)
     if woken:
         if dialect.notifies:
@@ -253,12 +254,15 @@ def settle(
 
 
 def _pending_edges(
-    conn: Connection, ended: list[uuid.UUID]
+    conn: Connection, ended: list[uuid.UUID], settling: bool
 ) -> list[tuple[uuid.UUID, uuid.UUID, str]]:
+    """The rows waiting for ``ended``, locked (``settling``: marked counted too, but for
+    waiters' rows)."""
+    read = wsql.settle_pending_on if settling else wsql.pending_on
     edges: list[tuple[uuid.UUID, uuid.UUID, str]] = []
     for start in range(0, len(ended), _CHUNK):
         chunk = ended[start : start + _CHUNK]
-        edges.extend((row[0], row[1], row[2]) for row in conn.execute(*wsql.pending_on(chunk)))
+        edges.extend((row[0], row[1], row[2]) for row in conn.execute(*read(chunk)))
     return edges
 
 

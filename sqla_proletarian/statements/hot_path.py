@@ -520,11 +520,22 @@ def delete_job_and_runs(dialect: Dialect) -> Statement:
 # --- dependencies: the settle at a job's end, and the sweep -----------------------------------
 
 
-@_hot({DEPENDENCY: (DEPENDS_ON_INDEX, PENDING_INDEX)})
+def _settles_in_one(dialect: Dialect) -> bool:
+    return dialect.settles_in_one
+
+
+@_hot({DEPENDENCY: (DEPENDS_ON_INDEX, PENDING_INDEX)}, lambda dialect: not dialect.settles_in_one)
 def pending_on(dialect: Dialect) -> Statement:
     """The end of jobs something waits for (elsewhere than PostgreSQL, of any job): the rows
     waiting for them, locked."""
     return workflows.pending_on(IDS)
+
+
+@_hot({DEPENDENCY: (DEPENDS_ON_INDEX, PENDING_INDEX, DEPENDENCY_KEY)}, _settles_in_one)
+def settle_pending_on(dialect: Dialect) -> Statement:
+    """PostgreSQL, the end of jobs something waits for: the rows waiting for them, locked
+    and (but for waiters' rows) marked counted, in one statement."""
+    return workflows.settle_pending_on(IDS)
 
 
 @_hot({JOB: JOB_ID_INDEX})
@@ -538,7 +549,7 @@ def lock_dependents(dialect: Dialect) -> Statement:
 _EDGE: dict[Any, str | tuple[str, ...]] = {DEPENDENCY: (DEPENDENCY_KEY, DEPENDS_ON_INDEX)}
 
 
-@_hot(_EDGE)
+@_hot(_EDGE, lambda dialect: not dialect.settles_in_one)
 def settle_edges(dialect: Dialect) -> Statement:
     """The end of jobs with dependents: their rows marked settled."""
     return _one_row(workflows.settle_edges([(IDS[1], IDS[0])]))

@@ -119,6 +119,31 @@ def pending_on(job_ids: Sequence[uuid.UUID]) -> Statement:
     return _PENDING_ON, {"ids": list(job_ids)}
 
 
+_LOCKED_EDGES = _PENDING_ON.cte("locked_edges")
+# The rows it marks are those the locking CTE holds: the same range of the depends_on index,
+# read once the lock is taken (the EXISTS is evaluated first, once).
+_SETTLED_EDGES = (
+    update(DEPENDENCY)
+    .where(
+        DEPENDENCY.c.depends_on.in_(_IDS),
+        DEPENDENCY.c.pending == true(),
+        DEPENDENCY.c.kind != WAIT_KIND,
+        exists(select(_LOCKED_EDGES.c.job_id)),
+    )
+    .values(pending=false())
+    .cte("settled_edges")
+)
+_SETTLE_PENDING_ON = select(
+    _LOCKED_EDGES.c.job_id, _LOCKED_EDGES.c.depends_on, _LOCKED_EDGES.c.kind
+).add_cte(_SETTLED_EDGES)
+
+
+def settle_pending_on(job_ids: Sequence[uuid.UUID]) -> Statement:
+    """PostgreSQL: ``pending_on`` and ``settle_edges`` of what it found, in one statement
+    (the rows locked in the same order; a waiter's row is left for ``drop_waits``)."""
+    return _SETTLE_PENDING_ON, {"ids": list(job_ids)}
+
+
 _EDGE = and_(
     DEPENDENCY.c.job_id == bindparam("b_job_id"),
     DEPENDENCY.c.depends_on == bindparam("b_depends_on"),
@@ -272,6 +297,7 @@ __all__ = [
     "pending_on",
     "release",
     "settle_edges",
+    "settle_pending_on",
     "stranded",
     "waiting_for",
 ]
