@@ -32,6 +32,7 @@ from sqla_proletarian.statements.claim import (
     next_due,
     poll,
     poll_first,
+    queue_ends,
     reclaim,
     relock,
 )
@@ -188,6 +189,7 @@ __all__ = [
     "poll_first",
     "probe_tables",
     "queue_counts",
+    "queue_ends",
     "queued_job",
     "queued_jobs",
     "queued_of_type",
