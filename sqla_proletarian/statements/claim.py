@@ -212,27 +212,29 @@ def _queue_ends(count: int) -> CompoundSelect[Any]:
     for index in range(count):
         queue = bindparam(f"queue_{index}", type_=JOB.c.queue.type)
         for last in (False, True):
-            entry = select(JOB.c.run_order, JOB.c.process_at).where(JOB.c.queue == queue)
-            if last:
-                entry = entry.order_by(JOB.c.run_order.desc(), JOB.c.process_at.desc())
-            else:
-                paused = select(PAUSED.c.queue).where(PAUSED.c.queue == queue).exists()
-                entry = entry.where(~paused).order_by(JOB.c.run_order, JOB.c.process_at)
+            order = (JOB.c.run_order, JOB.c.process_at)
             end = (
-                entry.limit(1)
+                select(*order)
+                .where(JOB.c.queue == queue)
+                .order_by(*(column.desc() for column in order) if last else order)
+                .limit(1)
                 .with_hint(JOB, _BY_POLL_INDEX, "mysql")
                 .with_hint(JOB, _BY_POLL_INDEX, "mariadb")
                 .subquery(f"end_{index}_{int(last)}")
             )
             # The queue's place and the end read: numbers of the code's own, not input.
-            branches.append(
-                select(
-                    literal_column(str(index)).label("place"),
-                    literal_column(str(int(last))).label("last"),
-                    end.c.run_order,
-                    end.c.process_at,
-                )
+            branch = select(
+                literal_column(str(index)).label("place"),
+                literal_column(str(int(last))).label("last"),
+                end.c.run_order,
+                end.c.process_at,
             )
+            if not last:
+                # Checked on the entry read, not inside its read: a paused queue's range
+                # would be read whole for an entry that passes.
+                paused = select(PAUSED.c.queue).where(PAUSED.c.queue == queue).exists()
+                branch = branch.where(~paused)
+            branches.append(branch)
     return union_all(*branches)
 
 
