@@ -23,6 +23,7 @@ import sqlalchemy as sa
 from helpers import enqueue_committed, running, wait_for
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import Session
+from test_idle import counted, elsewhere, require_listen
 from test_query_plan import POLL_WORK, explain_as_sent, postgresql_plan, scans
 
 import sqla_proletarian as sp
@@ -259,6 +260,30 @@ def test_an_idle_worker_leaves_a_paused_queues_jobs_until_it_is_resumed(
             sp.resume_queue(session, queues[2])
             session.commit()
         assert wait_for(lambda: queues[2] in ran, timeout=PROMPTLY), ran
+
+
+@pytest.mark.parametrize("mode", MODES, ids=MODE_IDS)
+def test_with_listen_an_idle_worker_of_five_queues_sends_nothing_between_wake_ups(
+    database: Any, backend: str, mode: dict[str, Any]
+) -> None:
+    """On PostgreSQL, where LISTEN/NOTIFY wakes it, an idle worker of 5 queues (some holding
+    jobs scheduled for later) sends no statement for seconds on end, as a worker of one
+    queue; a job committed through another engine to its 4th queue starts at once."""
+    if backend != "postgresql":
+        pytest.skip("LISTEN/NOTIFY is PostgreSQL's")
+    engine = database.engine()
+    require_listen(engine)
+    queues = queue_names(5)
+    schedule_later(engine, queues)
+    started = threading.Event()
+    worker = sp.create_queue_worker(
+        engine, lambda job_type, payload: started.set(), queues=queues, worker_threads=4, **mode
+    )
+    with counted(engine) as statements, running(worker):
+        assert statements.quiet(), "the idle worker kept polling"
+        assert statements.over(WINDOW) == 0
+        enqueue_committed(elsewhere(database), "work", queue=queues[3])
+        assert started.wait(PROMPTLY), "the idle worker slept through a committed job"
 
 
 def test_the_queue_ends_name_the_queues_that_may_have_a_due_job(engine: sa.Engine) -> None:
