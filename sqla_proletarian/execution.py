@@ -66,8 +66,9 @@ class WorkerConnections:
     idle_timeout: float | None = None
     #: The owner keeper's epoch when the claim's records were written.
     owner_epoch: int = 0
-    #: Whether the thread's last claim took a job (the next one then polls every queue with
-    #: no read first to see which have a due job).
+    #: Whether the thread's last claim took a job: the next one then polls every queue with
+    #: no read first of which may have a due job. A thread's first claim does too, but on
+    #: SQLite, where that read keeps an idle claim from taking the write lock.
     claimed_last: bool = False
 
     @property
@@ -273,7 +274,10 @@ class JobRunner(RunnerBase):
             record = None
             if self._tracked:
                 record = ClaimRecords(self.dialect, owner, self._owner(), self.now)
-            return WorkerConnections(conn, ledger_conn, record, stack.pop_all(), idle_timeout)
+            first = not self.dialect.claim_takes_write_lock  # see claimed_last
+            return WorkerConnections(
+                conn, ledger_conn, record, stack.pop_all(), idle_timeout, claimed_last=first
+            )
         raise AssertionError("unreachable")  # pragma: no cover
 
     def process_one(self, connections: WorkerConnections | None = None) -> bool:

@@ -185,8 +185,10 @@ class LeaseConnections:
         self._dialect = dialect
         self._stack = ExitStack()
         self._conn: Connection | None = None
-        #: Whether the thread's last claim took a job (no read of the queues first next time).
-        self.claimed_last = False
+        #: Whether the thread's last claim took a job (no read of the queues first next time;
+        #: nor at a thread's first claim, but on SQLite, where that read keeps an idle claim
+        #: from taking the write lock).
+        self.claimed_last = not dialect.claim_takes_write_lock
         #: The queues' ends read by the last claim, if it read them (``next_due_on``).
         self.ends: QueueEnds | None = None
 
