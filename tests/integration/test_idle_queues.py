@@ -25,16 +25,13 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import Session
 from test_idle import counted, elsewhere, require_listen
 from test_query_plan import POLL_WORK, explain_as_sent, postgresql_plan, scans
+from test_several_queues import ASYNC_DRIVER, MODE_IDS, MODES, PREFIX
 
 import sqla_proletarian as sp
 from sqla_proletarian import statements
 from sqla_proletarian.running import QueueEnds
 from sqla_proletarian.values import build_job_values
 
-MODES: list[dict[str, Any]] = [{}, {"lease_seconds": 30}]
-MODE_IDS = ["transaction", "lease"]
-ASYNC_DRIVER = {"sqlite": "aiosqlite", "postgresql": "asyncpg", "mariadb": "aiomysql"}
-PREFIX = {"sqlite": "sqlite", "postgresql": "postgresql", "mariadb": "mysql"}
 #: The workers' polling interval, and how long an idle worker's statements are counted.
 POLL = 0.1
 WINDOW = 2.0
@@ -55,23 +52,9 @@ def schedule_later(engine: sa.Engine, queues: list[str]) -> None:
         session.commit()
 
 
-class Counter:
-    """Counts the statements sent through an engine's connections."""
-
-    def __init__(self, engine: sa.Engine) -> None:
-        self.count = 0
-        self._lock = threading.Lock()
-        sa.event.listen(engine, "before_cursor_execute", self)
-
-    def __call__(self, *args: Any) -> None:
-        with self._lock:
-            self.count += 1
-
-
 def threaded_idle_statements(engine: sa.Engine, queues: list[str], mode: dict[str, Any]) -> int:
     """Statements a threaded worker of one thread serving ``queues``, idle, sends over
     ``WINDOW`` seconds, once its first polls are done."""
-    counter = Counter(engine)
     worker = sp.create_queue_worker(
         engine,
         lambda job_type, payload: None,
@@ -81,12 +64,10 @@ def threaded_idle_statements(engine: sa.Engine, queues: list[str], mode: dict[st
         poll_only=True,
         **mode,
     )
-    with running(worker):
-        assert wait_for(lambda: counter.count > 0)
+    with counted(engine) as statements, running(worker):
+        assert wait_for(lambda: statements.count > 0)
         time.sleep(0.5)
-        before = counter.count
-        time.sleep(WINDOW)
-        return counter.count - before
+        return statements.over(WINDOW)
 
 
 def async_idle_statements(url: sa.URL, queues: list[str], mode: dict[str, Any]) -> int:
@@ -97,7 +78,6 @@ def async_idle_statements(url: sa.URL, queues: list[str], mode: dict[str, Any]) 
 
     async def main() -> int:
         engine = create_async_engine(url)
-        counter = Counter(engine.sync_engine)
         try:
             worker = sp.create_async_queue_worker(
                 engine,
@@ -108,13 +88,14 @@ def async_idle_statements(url: sa.URL, queues: list[str], mode: dict[str, Any]) 
                 poll_only=True,
                 **mode,
             )
-            async with worker:
-                while counter.count == 0:
-                    await asyncio.sleep(0.02)
-                await asyncio.sleep(0.5)
-                before = counter.count
-                await asyncio.sleep(WINDOW)
-                return counter.count - before
+            with counted(engine.sync_engine) as statements:
+                async with worker:
+                    while statements.count == 0:
+                        await asyncio.sleep(0.02)
+                    await asyncio.sleep(0.5)
+                    before = statements.count
+                    await asyncio.sleep(WINDOW)
+                    return statements.count - before
         finally:
             await engine.dispose()
 
