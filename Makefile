@@ -152,10 +152,10 @@ quickstart: venv
 # The benchmark, on durable PostgreSQL and MariaDB servers of its own (scripts/benchdb.sh,
 # started and stopped by it): every contender in interleaved rounds, one table printed and
 # written to benchmarks/results.md; then lease mode's figures (bench-leases), then what an
-# idle worker costs (benchmarks.idle, under a minute), after what queue limits that never
-# bind cost a drain (benchmarks.limited_drain) and what dependencies cost a chain and a
-# fan-in of 1,000 jobs (benchmarks.workflows, 2 rounds: about 4 minutes). bench-quick is
-# the smoke run;
+# idle worker of 1 and of 5 queues costs (benchmarks.idle, about 2 minutes), after what
+# queue limits that never bind cost a drain (benchmarks.limited_drain) and what
+# dependencies cost a chain and a fan-in of 1,000 jobs (benchmarks.workflows, 2 rounds:
+# about 4 minutes). bench-quick is the smoke run;
 # BENCH_ARGS passes options (--only NAME,..., --rounds R, --jobs N), LEASES_ARGS those of
 # bench-leases, LIMITS_ARGS those of benchmarks.limited_drain, WORKFLOWS_ARGS those of
 # benchmarks.workflows, IDLE_ARGS those of benchmarks.idle.

@@ -2,12 +2,14 @@
 
     python -m benchmarks.idle [--seconds S] [--samples N] [--only postgresql,mariadb]
 
-For PostgreSQL (psycopg, LISTEN/NOTIFY) and MariaDB (polling): an idle worker of 4 threads
-on an empty queue, in this process, at its defaults; what it sends, counted by the server
+For PostgreSQL (psycopg, LISTEN/NOTIFY, and polling only) and MariaDB (polling): an idle
+worker of 4 threads serving 1 queue and 5 queues, all empty, in this process, at its
+defaults; what it sends, counted by the server
 (PostgreSQL: xact_commit + xact_rollback of pg_stat_database for the worker's database, read
 from another database; MariaDB: the Questions counter, less the benchmark's own reads) and by
-the client (SQLAlchemy's before_cursor_execute), per second; then the idle latency p50
-(enqueue's commit to handler start, the worker in another process; benchmarks.procs). Run
+the client (SQLAlchemy's before_cursor_execute), per second; then, at the default wake-ups,
+the idle latency p50 (enqueue's commit to handler start, the worker in another process, the
+job on its last queue; benchmarks.procs). Run
 it against another commit of the library (PYTHONPATH) to compare. Prints one table and
 writes it into its own section of benchmarks/results.md.
 """
@@ -26,6 +28,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+import sqla_proletarian as sp
 from benchmarks import library
 from benchmarks.batch_drain import machine
 from benchmarks.fill import fresh_tables
@@ -36,6 +39,8 @@ SECTION = "idle"
 SERVERS = ("postgresql", "mariadb")
 #: The short run whose count is taken off the long run's: start-up and shutdown cancel out.
 SHORT_RUN = 1.0
+#: The queues of each row's worker: the default queue last, where the latency's jobs go.
+QUEUES = {1: [sp.DEFAULT_QUEUE], 5: ["first", "second", "third", "fourth", sp.DEFAULT_QUEUE]}
 
 _PG_XACTS = sa.text(
     "SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = :database"
@@ -80,9 +85,11 @@ class ServerCount:
         return last
 
 
-def idle_run(server: Server, counts: ServerCount, seconds: float) -> tuple[int, int]:
-    """Server-side and client-side counts of a 4-thread worker's life of ``seconds`` on an
-    empty queue, its engine disposed at the end (its sessions end)."""
+def idle_run(
+    server: Server, counts: ServerCount, seconds: float, options: dict[str, Any]
+) -> tuple[int, int]:
+    """Server-side and client-side counts of a 4-thread worker's life of ``seconds`` on
+    empty queues (``options``), its engine disposed at the end (its sessions end)."""
     engine = server.engine()
     sent = 0
     lock = threading.Lock()
@@ -94,29 +101,30 @@ def idle_run(server: Server, counts: ServerCount, seconds: float) -> tuple[int, 
 
     sa.event.listen(engine, "before_cursor_execute", count)
     before = counts.settled()
-    with library.worker(engine):
+    with library.worker(engine, **options):
         threading.Event().wait(seconds)
     engine.dispose()
     return counts.settled() - before, sent
 
 
-def idle_cost(server: Server, seconds: float) -> tuple[float, float]:
+def idle_cost(server: Server, seconds: float, options: dict[str, Any]) -> tuple[float, float]:
     """Per second of idleness: what the server counted, and the statements the client sent."""
     engine = server.engine()
     fresh_tables(engine)
     engine.dispose()
     counts = ServerCount(server)
-    short_server, short_sent = idle_run(server, counts, SHORT_RUN)
-    long_server, long_sent = idle_run(server, counts, SHORT_RUN + seconds)
+    short_server, short_sent = idle_run(server, counts, SHORT_RUN, options)
+    long_server, long_sent = idle_run(server, counts, SHORT_RUN + seconds, options)
     counts.reader.dispose()
     return (long_server - short_server) / seconds, (long_sent - short_sent) / seconds
 
 
-def latency_p50(server: Server, samples: int) -> float:
+def latency_p50(server: Server, samples: int, options: dict[str, Any]) -> float:
     """The median idle latency in milliseconds (benchmarks.library.idle_latency)."""
     engine = server.engine()
     try:
-        return statistics.median(library.idle_latency(engine, server.urls["bench"], samples)) * 1e3
+        latencies = library.idle_latency(engine, server.urls["bench"], samples, **options)
+        return statistics.median(latencies) * 1e3
     finally:
         engine.dispose()
 
@@ -146,29 +154,38 @@ def main() -> None:
         about = machine(servers)
         for server in servers:
             unit = "transactions" if server.is_postgresql else "Questions"
-            counted, sent = idle_cost(server, args.seconds)
-            p50 = latency_p50(server, args.samples)
-            wakes = "LISTEN/NOTIFY" if server.is_postgresql else "polling"
-            rows.append(
-                f"| {server.label} ({wakes}) | {counted:.2f} {unit}/s | {sent:.2f}/s |"
-                f" {p50:.1f} ms |"
-            )
-            print(rows[-1], flush=True)
+            # PostgreSQL listens by default; polling only shows what each poll costs.
+            for poll_only in (False, True) if server.is_postgresql else (False,):
+                wakes = "LISTEN/NOTIFY" if server.is_postgresql and not poll_only else "polling"
+                for count, queues in QUEUES.items():
+                    options: dict[str, Any] = {"queues": queues}
+                    if poll_only:
+                        options["poll_only"] = True
+                    counted, sent = idle_cost(server, args.seconds, options)
+                    latency = (
+                        "" if poll_only else f"{latency_p50(server, args.samples, options):.1f} ms"
+                    )
+                    rows.append(
+                        f"| {server.label} ({wakes}) | {count} | {counted:.2f} {unit}/s |"
+                        f" {sent:.2f}/s | {latency} |"
+                    )
+                    print(rows[-1], flush=True)
     minutes = (time.perf_counter() - started) / 60
     lines = [
         f"Command: `{command}`; run {started_at:%Y-%m-%d %H:%M} UTC, {minutes:.1f} min.",
         f"Machine: {about}.",
-        f"An idle worker of {library.THREADS} threads on an empty queue, at its defaults:"
+        f"An idle worker of {library.THREADS} threads serving 1 queue and 5 queues, all empty,"
+        " at its defaults (PostgreSQL also polling only, poll_only=True):"
         f" the counts of a {SHORT_RUN + args.seconds:g} s life less those of a {SHORT_RUN:g} s"
         f" one, per second of the {args.seconds:g} s between (start-up and shutdown cancel"
         " out). Server-side: PostgreSQL's xact_commit + xact_rollback for the database"
         " (pg_stat_database), MariaDB's Questions less the reads'. Client-side: statements"
         f" sent. Idle latency: the median of {args.samples} jobs, each enqueued 50-250 ms after"
-        " the last started, to a worker in another process.",
+        " the last started, to a worker in another process, on its last queue.",
     ]
     table = [
-        "| server | server-side, per s | statements sent, per s | idle latency p50 |",
-        "|---|---|---|---|",
+        "| server | queues | server-side, per s | statements sent, per s | idle latency p50 |",
+        "|---|---|---|---|---|",
         *rows,
     ]
     print("\n".join(lines), "", *table, sep="\n")

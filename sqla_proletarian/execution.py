@@ -66,8 +66,9 @@ class WorkerConnections:
     idle_timeout: float | None = None
     #: The owner keeper's epoch when the claim's records were written.
     owner_epoch: int = 0
-    #: Whether the thread's last claim took a job (SQLite: the next one then needs no read
-    #: first to see whether one is due).
+    #: Whether the thread's last claim took a job: the next one then polls every queue with
+    #: no read first of which may have a due job. A thread's first claim does too, but on
+    #: SQLite, where that read keeps an idle claim from taking the write lock.
     claimed_last: bool = False
 
     @property
@@ -273,7 +274,10 @@ class JobRunner(RunnerBase):
             record = None
             if self._tracked:
                 record = ClaimRecords(self.dialect, owner, self._owner(), self.now)
-            return WorkerConnections(conn, ledger_conn, record, stack.pop_all(), idle_timeout)
+            first = not self.dialect.claim_takes_write_lock  # see claimed_last
+            return WorkerConnections(
+                conn, ledger_conn, record, stack.pop_all(), idle_timeout, claimed_last=first
+            )
         raise AssertionError("unreachable")  # pragma: no cover
 
     def process_one(self, connections: WorkerConnections | None = None) -> bool:
@@ -289,18 +293,24 @@ class JobRunner(RunnerBase):
 
     def _claim_one(self, connections: WorkerConnections) -> bool:
         self._clear_orphans(connections)
+        queues = self.settings.queues
+        if not connections.claimed_last:
+            # After a claim that took nothing, one read of all the queues first: the claim
+            # polls only those that may have a due job, and is not made when none may.
+            queues = self._queue_ends(connections.conn).to_poll(self.now())
+            if not queues:
+                return False
+        connections.claimed_last = False
         if not self.dialect.claim_takes_write_lock:
-            return self._process(connections)
+            connections.claimed_last = self._process(connections, queues)
+            return connections.claimed_last
         # SQLite: the write lock keeps every other writer waiting, so it is taken only for a
-        # due job (a read looks first, unless the thread's last claim took one). One job
-        # runs at a time per file anyway; taking turns inside the process
+        # due job (the read above looks first, unless the thread's last claim took one). One
+        # job runs at a time per file anyway; taking turns inside the process
         # also keeps a thread from claiming a job between another's run record and its
         # re-claim, and lets the turns pause for the application's writers.
-        if not connections.claimed_last and not self._any_due(connections.conn):
-            return False
-        connections.claimed_last = False
         with self._claim_turn.taken(lambda: self._commits(connections.conn), self._sleep):
-            connections.claimed_last = self._process(connections)
+            connections.claimed_last = self._process(connections, queues)
         return connections.claimed_last
 
     def abandon_in_flight(self) -> int:
@@ -339,7 +349,9 @@ class JobRunner(RunnerBase):
 
     # --- one claim ------------------------------------------------------------------------
 
-    def _process(self, connections: WorkerConnections) -> bool:
+    def _process(self, connections: WorkerConnections, queues: tuple[str, ...]) -> bool:
+        """Claim due jobs of ``queues`` (in claim order) and run them; True if a job was
+        claimed (or ended at the claim)."""
         if self._stopping():
             return False
         conn = connections.conn
@@ -351,7 +363,7 @@ class JobRunner(RunnerBase):
         reserved = self._flow.prepare(conn, self.now, self._batch_size, self.dialect.begin_claim)
         self.dialect.begin_claim(conn)
         try:
-            claims, cancelled = self._claim(connections, reserved)
+            claims, cancelled = self._claim(connections, reserved, queues)
             if not claims:
                 conn.commit()
                 self._cancelled_at_claim(cancelled)
@@ -451,7 +463,10 @@ class JobRunner(RunnerBase):
             direct.execute(conn, *sql.set_results(stored))
 
     def _claim(
-        self, connections: WorkerConnections, reserved: dict[str, Reserved]
+        self,
+        connections: WorkerConnections,
+        reserved: dict[str, Reserved],
+        queues: tuple[str, ...],
     ) -> tuple[list[_Claim], list[dict[str, Any]]]:
         """Lock the next due jobs, if any, and count their runs that ended with their worker.
         A job whose cancel was requested while it was leased (its lease has expired since)
@@ -474,7 +489,7 @@ class JobRunner(RunnerBase):
             found_held = []
             for job in poll_queues(
                 conn,
-                self.settings.queues,
+                queues,
                 now,
                 self._batch_size,
                 with_runs=self._tracked,

@@ -48,6 +48,7 @@ from sqla_proletarian.logs import log_event
 from sqla_proletarian.running import (
     Failure,
     Outcome,
+    QueueEnds,
     RunnerBase,
     RunSettings,
     describe,
@@ -184,8 +185,12 @@ class LeaseConnections:
         self._dialect = dialect
         self._stack = ExitStack()
         self._conn: Connection | None = None
-        #: Whether the thread's last claim took a job (SQLite: no read first next time).
-        self.claimed_last = False
+        #: Whether the thread's last claim took a job (no read of the queues first next time;
+        #: nor at a thread's first claim, but on SQLite, where that read keeps an idle claim
+        #: from taking the write lock).
+        self.claimed_last = not dialect.claim_takes_write_lock
+        #: The queues' ends read by the last claim, if it read them (``next_due_on``).
+        self.ends: QueueEnds | None = None
 
     @property
     def conn(self) -> Connection:
@@ -446,7 +451,14 @@ class LeaseRunner(RunnerBase):
 
     def next_due_on(self, connections: LeaseConnections) -> datetime | None:
         """When the queue's next job is due, a leased one's expiry included (None: none),
-        read on the poller's connection (given back after on SQLite)."""
+        read on the poller's connection (given back after on SQLite); after a claim that
+        read the queues' ends and took nothing, from what it read, unless a queue has
+        several priorities."""
+        ends, connections.ends = connections.ends, None
+        if ends is not None:
+            earliest, unseen = ends.next_due()
+            if not unseen:
+                return earliest
         try:
             return self.next_due(connections.conn)
         finally:
@@ -477,21 +489,30 @@ class LeaseRunner(RunnerBase):
     def claim(self, connections: LeaseConnections, limit: int | None = None) -> list[LeasedRun]:
         """Lease up to ``limit`` due jobs (the batch size), if any; the thread's connection
         is given back when it took some (and always on SQLite). ``claimed_last`` says whether
-        it took a job, one it ended at the claim (cancelled, crashed) included."""
+        it took a job, one it ended at the claim (cancelled, crashed) included.
+
+        After a claim that took nothing, one read of all the queues comes first: the claim
+        polls only those that may have a due job, and is not made when none may."""
+        queues, connections.ends = self.settings.queues, None
         if self.dialect.claim_takes_write_lock:
             # SQLite: the write lock is taken only for a due job, in the process's turn.
             try:
-                if not connections.claimed_last and not self._any_due(connections.conn):
-                    connections.release()
-                    return []
+                if not connections.claimed_last:
+                    queues = self._queues_to_poll(connections)
+                    if not queues:
+                        return []
                 conn = connections.conn
                 with self._claim_turn.taken(lambda: self._commits(conn), self._sleep):
-                    runs = self._claim(connections, limit)
+                    runs = self._claim(connections, limit, queues)
             finally:
                 connections.release()
         else:
             try:
-                runs = self._claim(connections, limit)
+                if not connections.claimed_last:
+                    queues = self._queues_to_poll(connections)
+                    if not queues:
+                        return []  # an idle thread keeps its connection
+                runs = self._claim(connections, limit, queues)
             except BaseException:
                 connections.release()
                 raise
@@ -500,8 +521,17 @@ class LeaseRunner(RunnerBase):
                 connections.release()
         return runs
 
-    def _claim(self, connections: LeaseConnections, jobs: int | None = None) -> list[LeasedRun]:
-        """Lease the next due jobs, if any, in a transaction that commits at once."""
+    def _queues_to_poll(self, connections: LeaseConnections) -> tuple[str, ...]:
+        """The queues the claim polls (``QueueEnds.to_poll``), their ends kept for the
+        poller's pause (``next_due_on``)."""
+        connections.ends = self._queue_ends(connections.conn)
+        return connections.ends.to_poll(self.now())
+
+    def _claim(
+        self, connections: LeaseConnections, jobs: int | None, queues: tuple[str, ...]
+    ) -> list[LeasedRun]:
+        """Lease the next due jobs of ``queues``, if any, in a transaction that commits at
+        once."""
         conn = connections.conn
         now = self.now()
         token = uuid.uuid4()
@@ -513,9 +543,7 @@ class LeaseRunner(RunnerBase):
         self.dialect.begin_claim(conn)
         try:
             flow = self._flow.begin(conn, reserved)
-            due = poll_queues(
-                conn, self.settings.queues, now, batch, with_runs=self._with_runs, flow=flow
-            )
+            due = poll_queues(conn, queues, now, batch, with_runs=self._with_runs, flow=flow)
             for job in due:
                 records = job.pop("runs", 0)
                 past = ledger.past_runs(

@@ -275,10 +275,14 @@ class RunnerBase:
         """The calling thread's (or task's) name in run records and leases."""
         return owner_text(self.settings.worker_id, self._host, self._unit_name())
 
-    def _any_due(self, conn: Connection) -> bool:
-        """Whether a job of the queues is due, read without taking the write lock."""
-        now, scan, queues = self.now(), self.dialect.priority_scan, self.settings.queues
-        return read_apart(conn, lambda: any_due_in(conn, queues, now, scan))
+    def _queue_ends(self, conn: Connection) -> QueueEnds:
+        """The ends of the queues' ranges of the poll index, one statement for all of them,
+        read in a transaction of its own (SQLite: without taking the write lock): a claim
+        after one that took nothing polls only the queues it names (``QueueEnds.to_poll``),
+        and none when it names none, so an idle worker sends one statement a poll however
+        many queues it serves."""
+        queues = self.settings.queues
+        return read_apart(conn, lambda: QueueEnds.read(conn, queues))
 
     def next_due(self, conn: Connection) -> datetime | None:
         """When the queues' earliest job is due (None: no job, or the queues are paused), read
@@ -600,9 +604,58 @@ def any_due_in(conn: Connection, queues: Sequence[str], now: datetime, scan: Pri
     return any(is_due(conn, queue, now, scan) for queue in queues)
 
 
+@dataclass(frozen=True)
+class QueueEnds:
+    """What one read of the poll index (``sql.queue_ends``) tells of a worker's queues: for
+    each queue that has a job and is not paused, its highest priority's earliest
+    ``process_at`` and whether it has other priorities."""
+
+    #: The queues in claim order, with (earliest, several priorities) where known.
+    queues: tuple[tuple[str, tuple[datetime, bool] | None], ...]
+
+    @classmethod
+    def read(cls, conn: Connection, queues: tuple[str, ...]) -> QueueEnds:
+        """One statement, whatever the number of queues."""
+        first: dict[int, tuple[int, datetime]] = {}
+        last: dict[int, int] = {}
+        for place, is_last, run_order, process_at in direct.execute(
+            conn, *sql.queue_ends(queues)
+        ).rows:
+            if is_last:
+                last[place] = run_order
+            else:
+                first[place] = (run_order, process_at)
+        ends: list[tuple[str, tuple[datetime, bool] | None]] = []
+        for place, queue in enumerate(queues):
+            if place not in first:
+                ends.append((queue, None))  # no job, or paused
+                continue
+            run_order, earliest = first[place]
+            ends.append((queue, (earliest, last.get(place, run_order) != run_order)))
+        return cls(tuple(ends))
+
+    def to_poll(self, now: datetime) -> tuple[str, ...]:
+        """The queues a claim at ``now`` polls, in claim order: those whose highest priority
+        has a job due, and those with several priorities, whose others may have one (the poll
+        reads them); none of those whose only priority has no job due yet, or no job."""
+        return tuple(
+            queue for queue, end in self.queues if end is not None and (end[0] <= now or end[1])
+        )
+
+    def next_due(self) -> tuple[datetime | None, tuple[str, ...]]:
+        """The earliest ``process_at`` of the queues' first priorities (None: none), and the
+        queues with several priorities, whose others this read did not see."""
+        times = [end[0] for _, end in self.queues if end is not None]
+        unseen = tuple(queue for queue, end in self.queues if end is not None and end[1])
+        return min(times, default=None), unseen
+
+
 def next_due_in(conn: Connection, queues: Sequence[str], scan: PriorityScan) -> datetime | None:
-    """When the queues' earliest job is due (see next_due_at); None: none."""
-    times = (next_due_at(conn, queue, scan) for queue in queues)
+    """When the queues' earliest job is due (see next_due_at); None: none. One statement for
+    all the queues (``QueueEnds``), then the priorities' first entries of the queues that
+    have several."""
+    earliest, unseen = QueueEnds.read(conn, tuple(queues)).next_due()
+    times = [earliest, *(next_due_at(conn, queue, scan) for queue in unseen)]
     return min((when for when in times if when is not None), default=None)
 
 

@@ -34,6 +34,7 @@ from sqla_proletarian.statements.claim import (
     next_due,
     poll,
     poll_first,
+    queue_ends,
     reclaim,
     relock,
 )
@@ -190,6 +191,7 @@ __all__ = [
     "poll_first",
     "probe_tables",
     "queue_counts",
+    "queue_ends",
     "queued_job",
     "queued_jobs",
     "queued_of_type",

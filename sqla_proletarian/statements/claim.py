@@ -9,10 +9,13 @@ from functools import cache
 from typing import Any
 
 from sqlalchemy import (
+    CompoundSelect,
     Select,
     bindparam,
     func,
+    literal_column,
     select,
+    union_all,
 )
 
 from sqla_proletarian.statements.base import JOB, JOB_COLUMNS, LIMITS, PAUSED, RUN, Statement
@@ -201,6 +204,49 @@ def first_entry(queue: str, after: int | None = None) -> Statement:
     if after is None:
         return _FIRST_ENTRY, {"queue": queue}
     return _ENTRY_AFTER, {"queue": queue, "after": after}
+
+
+@cache
+def _queue_ends(count: int) -> CompoundSelect[Any]:
+    branches = []
+    for index in range(count):
+        queue = bindparam(f"queue_{index}", type_=JOB.c.queue.type)
+        for last in (False, True):
+            order = (JOB.c.run_order, JOB.c.process_at)
+            end = (
+                select(*order)
+                .where(JOB.c.queue == queue)
+                .order_by(*(column.desc() for column in order) if last else order)
+                .limit(1)
+                .with_hint(JOB, _BY_POLL_INDEX, "mysql")
+                .with_hint(JOB, _BY_POLL_INDEX, "mariadb")
+                .subquery(f"end_{index}_{int(last)}")
+            )
+            # The queue's place and the end read: numbers of the code's own, not input.
+            branch = select(
+                literal_column(str(index)).label("place"),
+                literal_column(str(int(last))).label("last"),
+                end.c.run_order,
+                end.c.process_at,
+            )
+            if not last:
+                # Checked on the entry read, not inside its read: a paused queue's range
+                # would be read whole for an entry that passes.
+                paused = select(PAUSED.c.queue).where(PAUSED.c.queue == queue).exists()
+                branch = branch.where(~paused)
+            branches.append(branch)
+    return union_all(*branches)
+
+
+def queue_ends(queues: tuple[str, ...]) -> Statement:
+    """The two ends of each queue's range of the poll index, in one statement for all the
+    queues: its first entry (its highest priority and that priority's earliest
+    ``process_at``; no row when the queue is paused) and its last (its lowest priority), as
+    rows of (the queue's place in ``queues``, 0 or 1 for the last, ``run_order``,
+    ``process_at``). Two entries a queue, read whatever the server's statistics say,
+    however many jobs are scheduled for later; a plain read, locking nothing. An idle
+    worker's look at all its queues at once (``running.QueueEnds``)."""
+    return _queue_ends(len(queues)), {f"queue_{i}": queue for i, queue in enumerate(queues)}
 
 
 #: Inline: ``seq`` comes from the server's default, with no ``nextval()`` round trip first

@@ -55,10 +55,15 @@ class Statements:
         if (
             text.startswith(("SELECT", "WITH"))
             and "FROM proletarian_job" in text
-            and ("<=" in text or "FORCE INDEX (ix_proletarian_job_poll)" in text)
+            and (
+                "<=" in text
+                or "FORCE INDEX (ix_proletarian_job_poll)" in text
+                or "UNION ALL" in text
+            )
         ):
-            # A poll for due jobs (SQLite: its look for one first; MySQL and MariaDB: their
-            # read of the queue's priorities, which with no job reads no due time).
+            # A poll for due jobs (after one that took nothing, the read of the queues' ends
+            # first, which reads no due time; MySQL and MariaDB: their read of the queue's
+            # priorities, which with no job reads none either).
             with self._lock:
                 self.polls[threading.current_thread().name] += 1
         if DELETES_JOBS.search(text):
