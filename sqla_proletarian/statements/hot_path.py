@@ -281,6 +281,25 @@ def due_run_orders(dialect: Dialect) -> Statement:
     return claim.due_run_orders(QUEUE, NOW)
 
 
+#: The read of the queues' ends is one statement whose text grows with the queues: its
+#: forms for a worker of up to this many queues are entries (the plans of more are alike).
+QUEUE_ENDS_FORMS = 4
+
+
+def _queue_ends(queues: int) -> Callable[[Dialect], Statement]:
+    def build(dialect: Dialect) -> Statement:
+        """A claim after one that took nothing (and SQLite's first): both ends of each of
+        the worker's queues' ranges of the poll index, in one statement; the queues it
+        names are polled, none when it names none."""
+        return claim.queue_ends(tuple(f"{QUEUE}-{n}" for n in range(queues)))
+
+    return build
+
+
+for _queues in range(1, QUEUE_ENDS_FORMS + 1):
+    _hot({JOB: POLL_INDEX, PAUSED: PAUSED_KEY}, name=f"queue_ends_{_queues}")(_queue_ends(_queues))
+
+
 @_hot({JOB: POLL_INDEX, PAUSED: PAUSED_KEY}, _recursive)
 def next_due(dialect: Dialect) -> Statement:
     """An idle worker, after a poll that found nothing: when the queue's next job is due."""
