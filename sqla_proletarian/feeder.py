@@ -10,9 +10,10 @@ a stop gives the unstarted ones back at once, uncharged.
 A handler that returned without using ``job.session`` has nothing of its own to commit: its
 completion joins the completer's group, which ends every queued job where it still carries
 its run's token and archives them in one transaction, every ``FLUSH_DELAY`` seconds or
-``FLUSH_JOBS`` jobs. Until that commit the job is only leased: a worker that dies in
-between leaves it to run again once its lease expires (at-least-once, as any lease-mode
-crash). A handler that used its session completes in its own transaction, with its writes.
+``FLUSH_JOBS`` jobs (a full group in the thread whose job filled it: several groups are
+archived at once). Until that commit the job is only leased: a worker that dies in between
+leaves it to run again once its lease expires (at-least-once, as any lease-mode crash). A
+handler that used its session completes in its own transaction, with its writes.
 """
 
 from __future__ import annotations
@@ -48,13 +49,19 @@ class Completer:
         self._thread.start()
 
     def add(self, run: LeasedRun) -> None:
-        """Queue a run's completion (done at once, in the caller's thread, once closed)."""
+        """Queue a run's completion (done at once, in the caller's thread, once closed). The
+        run that fills a group (``FLUSH_JOBS``) archives it in the caller's thread, so that
+        several groups are archived at once while the jobs keep coming."""
         with self._changed:
             if not self._closing:
                 self._queued.append(run)
-                self._changed.notify()
-                return
-        self._flush([run])
+                if len(self._queued) < FLUSH_JOBS:
+                    self._changed.notify()
+                    return
+                runs, self._queued = self._queued[:FLUSH_JOBS], self._queued[FLUSH_JOBS:]
+            else:
+                runs = [run]
+        self._flush(runs)
 
     def close(self) -> None:
         """Archive what is queued, then end the thread."""
@@ -115,12 +122,16 @@ class Feeder:
     def room(self) -> int:
         """Jobs the poller may claim now: up to ``batch_size`` per thread, less the ones
         held (queued or running); none until the held ones are down to a job per thread,
-        or half of the most (so that a batch is claimed while the last one still runs)."""
-        most = self._threads * self._batch_size
+        or half of the most (so that a batch is claimed while the last one still runs).
+        Whole batches where there is room for one: each number claimed is a statement of
+        its own (its limit), compiled and prepared once, so there are few of them."""
+        batch = self._batch_size
+        most = self._threads * batch
         with self._lock:
             if self._held >= max(self._threads, most // 2):
                 return 0
-            return most - self._held
+            room = most - self._held
+        return room if room < batch else room - room % batch
 
     def claim(self, connections: LeaseConnections) -> int:
         """Claim up to room() jobs into the queue; how many (1 for a claim whose jobs all

@@ -541,10 +541,10 @@ class LeaseRunner(RunnerBase):
                 self._archive(conn, job, status, attempts, error, with_runs=True)
             if runs:
                 owner = self._owner()
-                direct.execute(
-                    conn,
-                    *sql.lease([r.job_id for r in runs], token, owner, now, now + self._lease),
-                )
+                ids = [r.job_id for r in runs]
+                expiry = now + self._lease
+                arrays = self.dialect.id_arrays
+                direct.execute(conn, *sql.lease(ids, token, owner, now, expiry, arrays=arrays))
             flow.finish(token)
             conn.commit()
         except BaseException:
@@ -731,43 +731,59 @@ class LeaseRunner(RunnerBase):
         """Delete the runs' jobs that still carry their tokens and archive them as
         succeeded (as cancelled where a cancel was requested before), in one transaction;
         the ids it archived as succeeded, and as cancelled."""
-        ids = [run.job_id for run in runs]
+        dialect = self.dialect
         (locking, params), delete = sql.end_leases(
-            ids, self._tokens(runs), force_index=self.dialect.force_index
+            [run.job_id for run in runs],
+            self._tokens(runs),
+            force_index=dialect.force_index,
+            arrays=dialect.id_arrays,
         )
-        session = LeaseSession(self.engine, self.dialect)
-        try:
-            conn = session.outcome_connection()
+        with self._short_transaction() as conn:
             # A run's token fences its own job only (one flush holds several claims' runs).
-            rows = {(row[0], row[1]): row[2] for row in conn.execute(locking, params)}
+            rows = {(row[0], row[1]): row[2] for row in direct.execute(conn, locking, params)}
             held = [run for run in runs if (run.job_id, run.token) in rows]
-            cancelled = {run.job_id for run in held if rows[run.job_id, run.token] is not None}
-            kept = {run.job_id for run in held} - cancelled
-            if held:
-                conn.execute(delete, {"ids": sorted(run.job_id for run in held)})
-                now = self.now()
-                ends = {
-                    run.job_id: "cancelled" if run.job_id in cancelled else "success"
-                    for run in held
-                }
+            cancelled = [run for run in held if rows[run.job_id, run.token] is not None]
+            kept = [run for run in held if rows[run.job_id, run.token] is None]
+            now = self.now()
+            ends: dict[uuid.UUID, str] = {}
+            if kept and self._archive_kept(conn, kept, now):
+                ends.update((run.job_id, "success") for run in kept)
+            if cancelled:
+                direct.execute(conn, delete, {"ids": sorted(run.job_id for run in cancelled)})
                 archived = [
                     sql.archive(
                         run.job,
-                        status=ends[run.job_id],
+                        status="cancelled",
                         attempts=run.job["attempts"] + 1,
                         finished_at=now,
                         error=None,
-                        upsert=self.dialect.archive_upsert,
-                        result=run.result if ends[run.job_id] == "success" else None,
+                        upsert=dialect.archive_upsert,
                     )
-                    for run in held
+                    for run in cancelled
                 ]
                 conn.execute(archived[0][0], [values for _, values in archived])
-                workflows.settle(conn, ends, self.dialect, now)
-            conn.commit()
-            return kept, cancelled
-        finally:
-            session.release()
+                ends.update((run.job_id, "cancelled") for run in cancelled)
+            if ends:
+                workflows.settle(conn, ends, dialect, now)
+        return {run.job_id for run in kept}, {run.job_id for run in cancelled}
+
+    def _archive_kept(self, conn: Connection, kept: list[LeasedRun], now: datetime) -> bool:
+        """Archive the succeeded runs' jobs from their queue rows (which the completion
+        locked) and remove them, with their results; whether any row waits for their ends
+        (PostgreSQL's archive returns it; elsewhere, assumed)."""
+        dialect = self.dialect
+        statements = sql.archive_leased_succeeded(
+            sorted(run.job_id for run in kept),
+            now,
+            upsert=dialect.archive_upsert,
+            returning=dialect.deletes_runs_with_job,
+            force_index=dialect.force_index,
+        )
+        results = [direct.execute(conn, *statement) for statement in statements]
+        stored = {run.job_id: run.result for run in kept if run.result is not None}
+        if stored:
+            direct.execute(conn, *sql.set_results(stored))
+        return len(results) > 1 or any(row[0] for row in results[0])
 
     def _not_completed(self, runs: list[LeasedRun], exc: Exception) -> bool:
         """Deferred successes could not be completed: give their leases back (the jobs run

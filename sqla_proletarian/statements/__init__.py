@@ -54,6 +54,7 @@ from sqla_proletarian.statements.enqueue import (
 )
 from sqla_proletarian.statements.finish import (
     archive,
+    archive_leased_succeeded,
     archive_succeeded,
     delete_job,
     delete_job_and_runs,
@@ -135,6 +136,7 @@ __all__ = [
     "advisory_locks_held",
     "archive",
     "archive_lease",
+    "archive_leased_succeeded",
     "archive_succeeded",
     "archived_batch",
     "archived_job",
