@@ -37,7 +37,8 @@ FLUSH_DELAY = 0.005
 #: Jobs the completer archives in one transaction at most.
 FLUSH_JOBS = 100
 #: Claims a worker has in flight at most while its queue is busy (its poller's and its
-#: claimers'; never more than its threads, and one on SQLite, whose claims take turns).
+#: claimers'; never more than its threads, nor than a claim per two jobs of their room, and
+#: one on SQLite, whose claims take turns).
 CLAIMS_IN_FLIGHT = 4
 
 
@@ -121,7 +122,11 @@ class Feeder:
         #: Whether the last claim came back full (more jobs are due): the claimers claim.
         self._busy = False
         self._ending = False
-        claims = 1 if runner.dialect.claim_takes_write_lock else min(threads, CLAIMS_IN_FLIGHT)
+        # A share of two jobs at least: a claim of one job is a transaction per job.
+        most = threads * batch_size
+        claims = min(threads, CLAIMS_IN_FLIGHT, max(1, most // 2))
+        if runner.dialect.claim_takes_write_lock:
+            claims = 1
         #: The most one claim takes while others may be in flight: a share of the threads'
         #: room, in whole batches.
         self._share = max(batch_size, threads // claims * batch_size)
