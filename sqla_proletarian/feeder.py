@@ -39,7 +39,7 @@ FLUSH_JOBS = 100
 #: Claims a worker has in flight at most while its queue is busy (its poller's and its
 #: claimers'; never more than its threads, nor than a claim per two jobs of their room, and
 #: one on SQLite, whose claims take turns).
-CLAIMS_IN_FLIGHT = 4
+CLAIMS_IN_FLIGHT = 2
 
 
 class Completer:
