@@ -75,6 +75,9 @@ class Dialect:
     #: Whether many jobs are enqueued with one ``INSERT ... SELECT unnest(...)`` (PostgreSQL
     #: arrays) rather than an executemany (which PyMySQL sends as multi-row INSERTs).
     bulk_insert_unnest: bool = False
+    #: Whether a statement on many jobs takes their ids as one array (``= ANY(:ids)``): one
+    #: SQL text for any number of ids, which the driver parses once (else ``IN (...)``).
+    id_arrays: bool = False
     insert_or_nothing: InsertOrNothing = "savepoint"
     #: Whether a REPEATABLE READ or SERIALIZABLE transaction whose insert meets a key that
     #: was committed after its snapshot fails (PostgreSQL: a serialization failure, which
@@ -224,6 +227,7 @@ DIALECTS: dict[str, Dialect] = {
         deletes_runs_with_job=True,
         settles_in_one=True,
         bulk_insert_unnest=True,
+        id_arrays=True,
         insert_or_nothing="postgresql_on_conflict",
         snapshot_conflict_fails=True,
         notifies=True,

@@ -24,9 +24,10 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from sqlalchemy import Connection, Engine, event
+from sqlalchemy.orm import Session
 
 from sqla_proletarian import direct, ledger, telemetry, workflows
 from sqla_proletarian import statements as sql
@@ -43,7 +44,7 @@ from sqla_proletarian.errors import (
 )
 from sqla_proletarian.execution import JobRunner, poll_queues
 from sqla_proletarian.flow import too_late
-from sqla_proletarian.handlers import JobContext, JobSession, StopSignal
+from sqla_proletarian.handlers import JobContext, JobSession, SessionOnFirstUse, StopSignal
 from sqla_proletarian.logs import log_event
 from sqla_proletarian.running import (
     Failure,
@@ -176,6 +177,65 @@ class LeaseSession(JobSession):
         self._conn = None
 
 
+class RunSession:
+    """A leased run's LeaseSession, made on first need: a run whose handler never reads
+    ``job.session`` (nor writes its outcome through it) makes none, so there is nothing to
+    finish or release. One made after the run was released is released at once."""
+
+    __slots__ = ("_dialect", "_engine", "_released", "session")
+
+    def __init__(self, engine: Engine, dialect: Dialect) -> None:
+        self._engine = engine
+        self._dialect = dialect
+        self._released = False
+        self.session: LeaseSession | None = None
+
+    def made(self) -> LeaseSession:
+        """The session, made now if it was not."""
+        if self.session is None:
+            self.session = LeaseSession(self._engine, self._dialect)
+            if self._released:
+                self.session.release()
+        return self.session
+
+    @property
+    def opened(self) -> bool:
+        return self.session is not None and self.session.opened
+
+    @property
+    def lost(self) -> bool:
+        return self.session is not None and self.session.lost
+
+    @property
+    def last_used(self) -> float:
+        return self.session.last_used if self.session is not None else 0.0
+
+    @contextlib.contextmanager
+    def handling(self) -> Iterator[None]:
+        """While the handler runs (see LeaseSession.handling)."""
+        if self.session is None:
+            yield
+            return
+        with self.session.handling():
+            yield
+
+    def finish(self) -> None:
+        if self.session is not None:
+            self.session.finish()
+
+    def outcome_connection(self) -> Connection:
+        return self.made().outcome_connection()
+
+    def abandon(self) -> None:
+        if self.session is not None:
+            self.session.abandon()
+
+    def release(self) -> None:
+        self._released = True
+        if self.session is not None:
+            self.session.release()
+
+
 class LeaseConnections:
     """A thread's claim connection in lease mode: taken for a claim (and the periodic jobs'
     check), given back before any handler runs."""
@@ -243,7 +303,7 @@ class LeasedRun:
     #: Whether its handler was started (a lease given back then keeps the run's count).
     ran: bool = False
     #: The job's session while its handler runs.
-    session: LeaseSession | None = None
+    session: RunSession | None = None
     #: The handler's serialized result (None: it returned None).
     result: str | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -569,10 +629,10 @@ class LeaseRunner(RunnerBase):
                 self._archive(conn, job, status, attempts, error, with_runs=True)
             if runs:
                 owner = self._owner()
-                direct.execute(
-                    conn,
-                    *sql.lease([r.job_id for r in runs], token, owner, now, now + self._lease),
-                )
+                ids = [r.job_id for r in runs]
+                expiry = now + self._lease
+                arrays = self.dialect.id_arrays
+                direct.execute(conn, *sql.lease(ids, token, owner, now, expiry, arrays=arrays))
             flow.finish(token)
             conn.commit()
         except BaseException:
@@ -607,8 +667,9 @@ class LeaseRunner(RunnerBase):
             return
         fields = self._fields(job)
         payload, decode_error = self._payload(job)
-        session = run.session = LeaseSession(self.engine, self.dialect)
-        context = run.context = self._context(job, payload, session, run.signal)
+        session = run.session = RunSession(self.engine, self.dialect)
+        on_first_use = cast(Session, SessionOnFirstUse(session.made))
+        context = run.context = self._context(job, payload, on_first_use, run.signal)
         if run.unclean_ends:
             log_event(logging.WARNING, "job-interrupted", **fields, unclean_ends=run.unclean_ends)
         log_event(logging.DEBUG, "handling-job", **fields)
@@ -628,7 +689,7 @@ class LeaseRunner(RunnerBase):
     def _handle(
         self,
         run: LeasedRun,
-        session: LeaseSession,
+        session: RunSession,
         context: JobContext,
         decode_error: Exception | None,
     ) -> Exception | None:
@@ -662,7 +723,7 @@ class LeaseRunner(RunnerBase):
     def _end(
         self,
         run: LeasedRun,
-        session: LeaseSession,
+        session: RunSession,
         context: JobContext,
         error: Exception | None,
         defer: Callable[[LeasedRun], None] | None = None,
@@ -759,43 +820,59 @@ class LeaseRunner(RunnerBase):
         """Delete the runs' jobs that still carry their tokens and archive them as
         succeeded (as cancelled where a cancel was requested before), in one transaction;
         the ids it archived as succeeded, and as cancelled."""
-        ids = [run.job_id for run in runs]
+        dialect = self.dialect
         (locking, params), delete = sql.end_leases(
-            ids, self._tokens(runs), force_index=self.dialect.force_index
+            [run.job_id for run in runs],
+            self._tokens(runs),
+            force_index=dialect.force_index,
+            arrays=dialect.id_arrays,
         )
-        session = LeaseSession(self.engine, self.dialect)
-        try:
-            conn = session.outcome_connection()
+        with self._short_transaction() as conn:
             # A run's token fences its own job only (one flush holds several claims' runs).
-            rows = {(row[0], row[1]): row[2] for row in conn.execute(locking, params)}
+            rows = {(row[0], row[1]): row[2] for row in direct.execute(conn, locking, params)}
             held = [run for run in runs if (run.job_id, run.token) in rows]
-            cancelled = {run.job_id for run in held if rows[run.job_id, run.token] is not None}
-            kept = {run.job_id for run in held} - cancelled
-            if held:
-                conn.execute(delete, {"ids": sorted(run.job_id for run in held)})
-                now = self.now()
-                ends = {
-                    run.job_id: "cancelled" if run.job_id in cancelled else "success"
-                    for run in held
-                }
+            cancelled = [run for run in held if rows[run.job_id, run.token] is not None]
+            kept = [run for run in held if rows[run.job_id, run.token] is None]
+            now = self.now()
+            ends: dict[uuid.UUID, str] = {}
+            if kept and self._archive_kept(conn, kept, now):
+                ends.update((run.job_id, "success") for run in kept)
+            if cancelled:
+                direct.execute(conn, delete, {"ids": sorted(run.job_id for run in cancelled)})
                 archived = [
                     sql.archive(
                         run.job,
-                        status=ends[run.job_id],
+                        status="cancelled",
                         attempts=run.job["attempts"] + 1,
                         finished_at=now,
                         error=None,
-                        upsert=self.dialect.archive_upsert,
-                        result=run.result if ends[run.job_id] == "success" else None,
+                        upsert=dialect.archive_upsert,
                     )
-                    for run in held
+                    for run in cancelled
                 ]
                 conn.execute(archived[0][0], [values for _, values in archived])
-                workflows.settle(conn, ends, self.dialect, now)
-            conn.commit()
-            return kept, cancelled
-        finally:
-            session.release()
+                ends.update((run.job_id, "cancelled") for run in cancelled)
+            if ends:
+                workflows.settle(conn, ends, dialect, now)
+        return {run.job_id for run in kept}, {run.job_id for run in cancelled}
+
+    def _archive_kept(self, conn: Connection, kept: list[LeasedRun], now: datetime) -> bool:
+        """Archive the succeeded runs' jobs from their queue rows (which the completion
+        locked) and remove them, with their results; whether any row waits for their ends
+        (PostgreSQL's archive returns it; elsewhere, assumed)."""
+        dialect = self.dialect
+        statements = sql.archive_leased_succeeded(
+            sorted(run.job_id for run in kept),
+            now,
+            upsert=dialect.archive_upsert,
+            returning=dialect.deletes_runs_with_job,
+            force_index=dialect.force_index,
+        )
+        results = [direct.execute(conn, *statement) for statement in statements]
+        stored = {run.job_id: run.result for run in kept if run.result is not None}
+        if stored:
+            direct.execute(conn, *sql.set_results(stored))
+        return len(results) > 1 or any(row[0] for row in results[0])
 
     def _not_completed(self, runs: list[LeasedRun], exc: Exception) -> bool:
         """Deferred successes could not be completed: give their leases back (the jobs run
@@ -824,7 +901,7 @@ class LeaseRunner(RunnerBase):
     def _failed(
         self,
         run: LeasedRun,
-        session: LeaseSession | None,
+        session: RunSession | None,
         context: JobContext,
         error: Exception,
     ) -> tuple[Outcome | None, Failure | None]:
@@ -848,7 +925,7 @@ class LeaseRunner(RunnerBase):
         return "retried", None
 
     def _snooze(
-        self, run: LeasedRun, session: LeaseSession, snooze: Snooze
+        self, run: LeasedRun, session: RunSession, snooze: Snooze
     ) -> tuple[Outcome | None, Failure | None]:
         """Give the lease back with the job due in the snooze's seconds, fenced as a retry
         is (the handler's writes discarded): the claim's count of the run undone, one more
@@ -861,7 +938,7 @@ class LeaseRunner(RunnerBase):
         return ("retried", None) if self._snoozed(run.job, snooze, write) else (None, None)
 
     def _write(
-        self, run: LeasedRun, session: LeaseSession | None, status: str, error: Exception | None
+        self, run: LeasedRun, session: RunSession | None, status: str, error: Exception | None
     ) -> bool:
         """Remove the job where it still carries the run's token and archive it, in the
         session's transaction (with the handler's writes); False if it was fenced off, or
@@ -909,7 +986,7 @@ class LeaseRunner(RunnerBase):
     def _write_fenced(
         self,
         run: LeasedRun,
-        session: LeaseSession | None,
+        session: RunSession | None,
         write: Callable[[Connection], int],
     ) -> bool:
         """Run ``write`` (which returns the rows it found by the run's token, with no cancel
@@ -917,7 +994,7 @@ class LeaseRunner(RunnerBase):
         was requested, which wins over any other outcome: the job is archived as cancelled
         (what the handler wrote is discarded). A failure to write leaves the lease to
         expire, or gives it back."""
-        own = session if session is not None else LeaseSession(self.engine, self.dialect)
+        own = session if session is not None else RunSession(self.engine, self.dialect)
         try:
             conn = own.outcome_connection()
             if write(conn):
@@ -948,7 +1025,7 @@ class LeaseRunner(RunnerBase):
         hint = "cancelled while running" if run.ran else "cancelled before it started"
         log_event(logging.INFO, "job-cancelled", **self._fields(run.job), hint=hint)
 
-    def _not_written(self, run: LeasedRun, session: LeaseSession, exc: Exception) -> None:
+    def _not_written(self, run: LeasedRun, session: RunSession, exc: Exception) -> None:
         """The outcome could not be written. A lost connection: the job runs again (see
         _lost). Anything else: end the lease now with its token, so that the next claim runs
         the job again and counts the run as an unclean end."""
@@ -966,7 +1043,7 @@ class LeaseRunner(RunnerBase):
         with contextlib.suppress(Exception):
             self._execute(sql.expire_lease(run.job_id, run.token, self.now()))
 
-    def _lost(self, run: LeasedRun, session: LeaseSession, exc: Exception) -> None:
+    def _lost(self, run: LeasedRun, session: RunSession, exc: Exception) -> None:
         """The job's session was lost before its outcome was written: nothing of the run
         was committed, and the job runs again. Counted as an unclean end only when the
         server ended the session for sitting idle in its transaction (a limit the job hits
@@ -1042,7 +1119,7 @@ class LeaseRunner(RunnerBase):
             "released: nothing this run wrote was committed",
         )
 
-    def _interrupted(self, run: LeasedRun, session: LeaseSession, *, charged: bool) -> None:
+    def _interrupted(self, run: LeasedRun, session: RunSession, *, charged: bool) -> None:
         """The handler was interrupted by the process ending: give the lease back unrun
         (Ctrl-C, a cancelled task), or end it now to be counted (SystemExit)."""
         session.abandon()

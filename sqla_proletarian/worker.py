@@ -457,7 +457,7 @@ class QueueWorker:
         feeder = self._feeder = Feeder(
             runner, self.options.worker_threads, self.options.batch_size, self._wakeup
         )
-        feeder.start()
+        feeder.start(self._stopping.is_set, self._polling.claiming)
         poller = threading.Thread(
             target=self._work,
             args=(lambda: self._feed(feeder),),

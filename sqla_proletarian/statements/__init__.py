@@ -57,6 +57,7 @@ from sqla_proletarian.statements.enqueue import (
 )
 from sqla_proletarian.statements.finish import (
     archive,
+    archive_leased_succeeded,
     archive_succeeded,
     delete_job,
     delete_job_and_runs,
@@ -138,6 +139,7 @@ __all__ = [
     "advisory_locks_held",
     "archive",
     "archive_lease",
+    "archive_leased_succeeded",
     "archive_succeeded",
     "archived_batch",
     "archived_job",

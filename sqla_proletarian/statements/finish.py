@@ -110,14 +110,15 @@ def delete_job_and_runs(job_id: uuid.UUID) -> Statement:
 _ARCHIVED_COLUMNS = [*_KEPT_COLUMNS, "snoozes", "status", "finished_at", "error", "result"]
 
 
-def _as_archived(columns: Any) -> Select[Any]:
-    """The archive row of a succeeded job from its queue row: one more attempt, success."""
+def _as_archived(columns: Any, leased: bool = False) -> Select[Any]:
+    """The archive row of a succeeded job from its queue row: one more attempt, success (a
+    ``leased`` job's claim counted its run in ``attempts`` already)."""
     return select(
         columns.job_id,
         columns.queue,
         columns.job_type,
         columns.payload,
-        columns.attempts + 1,
+        columns.attempts if leased else columns.attempts + 1,
         columns.enqueued_at,
         func.coalesce(columns.due_at, columns.process_at),
         columns.run_order,
@@ -157,20 +158,22 @@ def _upserted(upsert: ArchiveUpsert, rows: Select[Any] | None = None) -> Insert:
 
 
 @cache
-def _succeeded_returning(upsert: ArchiveUpsert) -> Executable:
+def _succeeded_returning(upsert: ArchiveUpsert, leased: bool = False) -> Executable:
     done = delete(JOB).where(JOB.c.job_id == _any("ids")).returning(*JOB_COLUMNS).cte("done")
-    # Two deletes, each through its index: an OR of both reads the whole table where the
-    # planner has no statistics (a table never analyzed).
-    ended = delete(RUN).where(RUN.c.job_id == _any("ended")).cte("ended_runs")
-    own = delete(RUN).where(RUN.c.run_id == _any("own")).cte("own_runs")
-    statement = _upserted(upsert, _as_archived(done.c)).add_cte(done).add_cte(ended).add_cte(own)
+    statement = _upserted(upsert, _as_archived(done.c, leased)).add_cte(done)
+    if not leased:
+        # Two deletes, each through its index: an OR of both reads the whole table where the
+        # planner has no statistics (a table never analyzed).
+        ended = delete(RUN).where(RUN.c.job_id == _any("ended")).cte("ended_runs")
+        own = delete(RUN).where(RUN.c.run_id == _any("own")).cte("own_runs")
+        statement = statement.add_cte(ended).add_cte(own)
     statement = statement.returning(waiting_for(_any("ids")))
     return statement.execution_options(preserve_rowcount=True)
 
 
 @cache
-def _succeeded_copy(upsert: ArchiveUpsert, force_index: bool) -> Executable:
-    copied = _as_archived(JOB.c).where(JOB.c.job_id.in_(_IDS))
+def _succeeded_copy(upsert: ArchiveUpsert, force_index: bool, leased: bool = False) -> Executable:
+    copied = _as_archived(JOB.c, leased).where(JOB.c.job_id.in_(_IDS))
     if force_index:
         copied = copied.with_hint(JOB, _JOB_BY_ID, "mysql").with_hint(JOB, _JOB_BY_ID, "mariadb")
     return _upserted(upsert, copied)
@@ -217,6 +220,26 @@ def archive_succeeded(
         (_succeeded_copy(upsert, force_index), {"ids": job_ids, "now": now}),
         (_delete_by(JOB, ("job_id",), "ids", force_index), {"ids": job_ids}),
         *end_claim_runs(ended, own_runs, force_index=force_index),
+    ]
+
+
+def archive_leased_succeeded(
+    job_ids: list[uuid.UUID],
+    now: datetime,
+    *,
+    upsert: ArchiveUpsert,
+    returning: bool,
+    force_index: bool = False,
+) -> list[Statement]:
+    """Archive leased jobs that succeeded (their claim counted the run, and their rows are
+    locked by the completion, which checked their tokens) from their queue rows and remove
+    them: as ``archive_succeeded``, with no run records (a job that has some completes on
+    its own)."""
+    if returning:
+        return [(_succeeded_returning(upsert, leased=True), {"ids": job_ids, "now": now})]
+    return [
+        (_succeeded_copy(upsert, force_index, leased=True), {"ids": job_ids, "now": now}),
+        (_delete_by(JOB, ("job_id",), "ids", force_index), {"ids": job_ids}),
     ]
 
 

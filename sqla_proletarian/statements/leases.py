@@ -25,6 +25,7 @@ from sqla_proletarian.statements.base import (
     JOB,
     JOB_COLUMNS,
     Statement,
+    _any,
     _delete_by,
 )
 from sqla_proletarian.statements.finish import _EXPIRED_LEASE, _NO_LEASE, _SNOOZED, _upserted
@@ -36,29 +37,52 @@ _LEASE_TOKENS: BindParameter[Any] = bindparam("tokens", expanding=True, type_=Uu
 #: The rows of a worker's leases: its job ids, still carrying one of its tokens.
 _HELD = (JOB.c.job_id.in_(_LEASE_IDS), JOB.c.lease_token.in_(_LEASE_TOKENS))
 
-_LEASE = (
-    update(JOB)
-    .where(JOB.c.job_id.in_(_LEASE_IDS))
-    .ordered_values(
-        # In this order (MySQL assigns left to right): the count reads the old token, due_at
-        # the old process_at.
-        (JOB.c.unclean_ends, JOB.c.unclean_ends + _EXPIRED_LEASE),
-        (JOB.c.due_at, func.coalesce(JOB.c.due_at, JOB.c.process_at)),
-        (JOB.c.attempts, JOB.c.attempts + 1),
-        (JOB.c.lease_token, _TOKEN),
-        (JOB.c.lease_owner, bindparam("owner")),
-        (JOB.c.heartbeat_at, bindparam("now", type_=JOB.c.process_at.type)),
-        (JOB.c.process_at, bindparam("expiry", type_=JOB.c.process_at.type)),
+
+def _ids_in(arrays: bool) -> Any:
+    """``job_id IN (:ids)``, or with ``arrays`` ``job_id = ANY(:ids)`` (see Dialect.id_arrays)."""
+    return JOB.c.job_id == _any("ids") if arrays else JOB.c.job_id.in_(_LEASE_IDS)
+
+
+def _held(arrays: bool) -> tuple[Any, Any]:
+    """``_HELD``, with ``arrays`` its two lists as arrays."""
+    if not arrays:
+        return _HELD
+    return _ids_in(arrays), JOB.c.lease_token == _any("tokens")
+
+
+@cache
+def _lease(arrays: bool) -> Executable:
+    return (
+        update(JOB)
+        .where(_ids_in(arrays))
+        .ordered_values(
+            # In this order (MySQL assigns left to right): the count reads the old token, due_at
+            # the old process_at.
+            (JOB.c.unclean_ends, JOB.c.unclean_ends + _EXPIRED_LEASE),
+            (JOB.c.due_at, func.coalesce(JOB.c.due_at, JOB.c.process_at)),
+            (JOB.c.attempts, JOB.c.attempts + 1),
+            (JOB.c.lease_token, _TOKEN),
+            (JOB.c.lease_owner, bindparam("owner")),
+            (JOB.c.heartbeat_at, bindparam("now", type_=JOB.c.process_at.type)),
+            (JOB.c.process_at, bindparam("expiry", type_=JOB.c.process_at.type)),
+        )
     )
-)
 
 
 def lease(
-    job_ids: list[uuid.UUID], token: uuid.UUID, owner: str, now: datetime, expiry: datetime
+    job_ids: list[uuid.UUID],
+    token: uuid.UUID,
+    owner: str,
+    now: datetime,
+    expiry: datetime,
+    *,
+    arrays: bool = False,
 ) -> Statement:
     """Lease the jobs a claim locked, under one fresh token: count the run (and an expired
-    lease as an unclean end), keep their own due time, and make ``process_at`` the expiry."""
-    return _LEASE, {"ids": job_ids, "token": token, "owner": owner, "now": now, "expiry": expiry}
+    lease as an unclean end), keep their own due time, and make ``process_at`` the expiry
+    (``arrays``: the ids as one array, see Dialect.id_arrays)."""
+    values = {"ids": job_ids, "token": token, "owner": owner, "now": now, "expiry": expiry}
+    return _lease(arrays), values
 
 
 _LOCK_LEASES = select(JOB.c.job_id).where(*_HELD).with_for_update(skip_locked=True)
@@ -151,23 +175,29 @@ def archive_lease(
     }
 
 
-_STILL_LEASED = (
-    select(JOB.c.job_id, JOB.c.lease_token, JOB.c.cancel_requested_at)
-    .where(*_HELD)
-    .with_for_update()
-    .with_hint(JOB, _JOB_BY_ID, "mysql")
-    .with_hint(JOB, _JOB_BY_ID, "mariadb")
-)
+@cache
+def _still_leased(arrays: bool) -> Executable:
+    return (
+        select(JOB.c.job_id, JOB.c.lease_token, JOB.c.cancel_requested_at)
+        .where(*_held(arrays))
+        .with_for_update()
+        .with_hint(JOB, _JOB_BY_ID, "mysql")
+        .with_hint(JOB, _JOB_BY_ID, "mariadb")
+    )
 
 
 def end_leases(
-    job_ids: list[uuid.UUID], tokens: list[uuid.UUID], *, force_index: bool = False
+    job_ids: list[uuid.UUID],
+    tokens: list[uuid.UUID],
+    *,
+    force_index: bool = False,
+    arrays: bool = False,
 ) -> tuple[Statement, Any]:
     """Succeeded jobs, ended together: the lock of those that still carry one of the
     tokens, read with the token each carries (the fence: keep a job only if it carries its
-    own run's; the job-id index named on MySQL) and its cancel request, and the delete of a
-    list of ids (give it the kept ones)."""
-    return (_STILL_LEASED, {"ids": job_ids, "tokens": tokens}), _delete_by(
+    own run's; the job-id index named on MySQL; ``arrays``: the lists as arrays) and its
+    cancel request, and the delete of a list of ids (give it the ones cancelled)."""
+    return (_still_leased(arrays), {"ids": job_ids, "tokens": tokens}), _delete_by(
         JOB, ("job_id",), "ids", force_index
     )
 

@@ -443,6 +443,38 @@ def test_a_claims_multi_row_statements_read_their_indexes_on_a_small_mariadb_tab
         assert (row["key"], row["type"]) == (key, "range"), row
 
 
+def test_a_lease_groups_completion_reads_the_job_id_index_on_a_small_mariadb_table(
+    engine: sa.Engine, backend: str
+) -> None:
+    """Lease mode's grouped completion (its lock of the group's leases, then the archive
+    copy and the delete of those it kept) reads the job-id index even on a table of a few
+    dozen rows, where MariaDB would scan (and lock the rows other workers' claims hold)."""
+    if backend != "mariadb":
+        pytest.skip("PostgreSQL archives a group in one statement; SQLite has no row locks")
+    now = sp.utc_now()
+    with engine.begin() as conn:
+        job_ids = sp.enqueue_many(conn, [("work", n) for n in range(60)])
+    analyze(engine)
+    dialect = sp.dialects.dialect_of(engine)
+    group = job_ids[:20]
+    (lock, params), _ = statements.end_leases(
+        group, [uuid.uuid4()], force_index=dialect.force_index, arrays=dialect.id_arrays
+    )
+    sent = [
+        (lock, params),
+        *statements.archive_leased_succeeded(
+            group,
+            now,
+            upsert=dialect.archive_upsert,
+            returning=dialect.deletes_runs_with_job,
+            force_index=dialect.force_index,
+        ),
+    ]
+    for statement in sent:
+        (row,) = explain_as_sent(engine, statement)
+        assert (row["key"], row["type"]) == ("uq_proletarian_job_job_id", "range"), row
+
+
 def explain_as_sent(
     engine: sa.Engine, statement: Statement, prefix: str = "EXPLAIN "
 ) -> list[dict[str, Any]]:
