@@ -624,16 +624,44 @@ def live_jobs(dialect: Dialect) -> Statement:
 
 @_hot({JOB: JOB_ID_INDEX})
 def lease(dialect: Dialect) -> Statement:
-    """Lease mode, every claim: the jobs it locked leased under one token."""
-    return leases.lease(IDS, TOKEN, "owner", NOW, NOW)
+    """Lease mode, every claim: the jobs it locked leased under one token (their ids as an
+    array where the dialect takes arrays)."""
+    return leases.lease(IDS, TOKEN, "owner", NOW, NOW, arrays=dialect.id_arrays)
 
 
 @_hot({JOB: JOB_ID_INDEX})
 def end_leases(dialect: Dialect) -> Statement:
     """Lease mode, succeeded jobs ended together: those still carrying their tokens, locked
-    (then ``delete_jobs`` and ``archive``)."""
-    locking, _ = leases.end_leases(IDS, [TOKEN], force_index=dialect.force_index)
+    (then ``archive_leased_succeeded``)."""
+    locking, _ = leases.end_leases(
+        IDS, [TOKEN], force_index=dialect.force_index, arrays=dialect.id_arrays
+    )
     return locking
+
+
+def _archive_leased_succeeded(dialect: Dialect) -> list[Statement]:
+    return finish.archive_leased_succeeded(
+        IDS,
+        NOW,
+        upsert=dialect.archive_upsert,
+        returning=dialect.deletes_runs_with_job,
+        force_index=dialect.force_index,
+    )
+
+
+@_hot({JOB: JOB_ID_INDEX, DEPENDENCY: (DEPENDS_ON_INDEX, PENDING_INDEX)}, _deletes_with_job)
+def archive_leased_succeeded(dialect: Dialect) -> Statement:
+    """Lease mode's grouped ends on PostgreSQL: one statement deletes the succeeded jobs
+    whose leases it locked, archives them and counts the rows waiting for them."""
+    (statement,) = _archive_leased_succeeded(dialect)
+    return statement
+
+
+@_hot({JOB: JOB_ID_INDEX}, _copies_to_archive)
+def archive_leased_succeeded_copy(dialect: Dialect) -> Statement:
+    """Lease mode's grouped ends on MySQL and MariaDB: the succeeded jobs' archive rows,
+    copied from their queue rows (then ``delete_jobs``)."""
+    return _archive_leased_succeeded(dialect)[0]
 
 
 def _archive_lease(status: str, doc: str) -> Callable[[Dialect], Statement]:
