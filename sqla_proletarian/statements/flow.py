@@ -141,23 +141,41 @@ def live_leases(job_ids: list[uuid.UUID], now: datetime) -> Statement:
     return _LIVE_LEASES, {"ids": job_ids, "now": now}
 
 
-def name_holders(
-    queue: str, key: str, holders: dict[int, uuid.UUID], token: uuid.UUID
-) -> Statement:
-    """Lease mode: the slots of ``(queue, key)`` a claim took name their jobs (slot number:
-    job id) and the claim's lease token, in one statement."""
-    numbers = sorted(holders)
+@cache
+def _name_holders(count: int) -> Executable:
     job_id = case(
-        {n: bindparam(f"job_{n}", holders[n], type_=Uuid()) for n in numbers}, value=SLOTS.c.n
+        *[
+            (
+                SLOTS.c.n == bindparam(f"s_n{i}", type_=Integer()),
+                bindparam(f"s_job{i}", type_=Uuid()),
+            )
+            for i in range(count)
+        ]
     )
-    statement = (
+    return (
         update(SLOTS)
         .where(SLOTS.c.queue == bindparam("s_queue"), SLOTS.c.slot_key == bindparam("s_key"))
         .where(SLOTS.c.n.in_(bindparam("s_numbers", expanding=True, type_=Integer())))
         .values(job_id=job_id, token=bindparam("s_token", type_=Uuid()))
     )
-    params = {"s_queue": queue, "s_key": key, "s_numbers": numbers, "s_token": token}
-    return statement, params
+
+
+def name_holders(
+    queue: str, key: str, holders: dict[int, uuid.UUID], token: uuid.UUID
+) -> Statement:
+    """Lease mode: the slots of ``(queue, key)`` a claim took name their jobs (slot number:
+    job id) and the claim's lease token, in one statement (one per number of slots)."""
+    numbers = sorted(holders)
+    params: dict[str, Any] = {
+        "s_queue": queue,
+        "s_key": key,
+        "s_numbers": numbers,
+        "s_token": token,
+    }
+    for i, n in enumerate(numbers):
+        params[f"s_n{i}"] = n
+        params[f"s_job{i}"] = holders[n]
+    return _name_holders(len(numbers)), params
 
 
 _SLOT_NUMBERS = select(SLOTS.c.slot_key, SLOTS.c.n).where(
