@@ -79,12 +79,14 @@ LOOK_INTERVAL = 1.0
 POOL_CLAIMS = 8
 POOL_MOST = 10_000
 #: A reservation that makes starts ahead counts them all at a moment after it is made (its
-#: ``at``): this share of the rate's ``seconds``, at most ``POOL_HORIZON`` seconds later. Its
-#: claims draw from them until ``POOL_AGE`` past that moment; a handler starts between the
-#: reservation and ``START_WITHIN`` past it, in a window that every later reservation counts.
-POOL_SHARE = 0.25
-POOL_HORIZON = 1.0
-POOL_AGE = RATE_MARGIN / 4
+#: ``at``): this share of the rate's ``seconds`` later, at least ``POOL_LEAST`` and at most
+#: ``POOL_HORIZON`` seconds. The runner's claims draw on them for the first half of that
+#: time, so that a claim's handlers (a batch run one after another) have the second half and
+#: ``START_WITHIN`` to start; each starts between the reservation and ``START_WITHIN`` past
+#: its ``at``, which every later reservation whose starts could share a window with it counts.
+POOL_SHARE = 0.5
+POOL_LEAST = 2 * RATE_MARGIN
+POOL_HORIZON = 2.0
 #: Seconds between a runner's deletions of a rate-limited queue's starts that no window
 #: counts any more.
 PRUNE_INTERVAL = 1.0
@@ -104,8 +106,10 @@ class Reserved:
     version: Any = None
     #: Taken from the pool: its limits may be older than the claim (the claim checks).
     pooled: bool = False
-    #: When they were reserved: the start time every window counts them at.
+    #: When they count as started in every window (when they were reserved, or later for
+    #: starts made ahead), and until when the runner's claims may draw on them (pooled).
     at: datetime | None = None
+    until: datetime | None = None
 
     def unused(self) -> list[uuid.UUID]:
         return [start for starts in self.by_key.values() for start in starts]
@@ -240,13 +244,13 @@ class FlowControl:
         return ahead
 
     def _from_pool(self, queue: str, now: datetime, batch: int) -> Reserved | None:
-        """Up to ``batch`` of the queue's pooled starts still fresh (at most ``POOL_AGE``
-        past the moment they count at, so that a handler starts within ``RATE_MARGIN`` of
-        it); older ones go to ``stale``, to be deleted."""
+        """Up to ``batch`` of the queue's pooled starts still fresh (``until`` has not
+        passed, so that its handlers have time to start before ``START_WITHIN`` past the
+        moment they count at); older ones go to ``stale``, to be deleted."""
         pool = self.pool.get(queue)
         if pool is None:
             return None
-        if pool.at is None or now - pool.at > timedelta(seconds=POOL_AGE):
+        if pool.until is None or now > pool.until:
             unused = pool.unused()
             if 2 * len(unused) > self.ahead.get(queue, 0):
                 self.ahead[queue] = self.ahead.get(queue, 0) // 2
@@ -259,7 +263,12 @@ class FlowControl:
             self.used_up.add(queue)
             del self.pool[queue]
         return Reserved(
-            {"": taken}, at=pool.at, limits=pool.limits, version=pool.version, pooled=True
+            {"": taken},
+            at=pool.at,
+            until=pool.until,
+            limits=pool.limits,
+            version=pool.version,
+            pooled=True,
         )
 
     def _to_pool(self, queue: str, made: Reserved, batch: int) -> Reserved:
@@ -274,7 +283,11 @@ class FlowControl:
             if old is not None:
                 self.stale.extend(old.unused())
             self.pool[queue] = Reserved(
-                {"": ahead}, at=made.at, limits=made.limits, version=made.version
+                {"": ahead},
+                at=made.at,
+                until=made.until,
+                limits=made.limits,
+                version=made.version,
             )
         return made
 
@@ -338,7 +351,7 @@ def _reserve(
         longest = max(rate[1] for rate in rates if rate)
         conn.execute(*sql.prune_starts(queue, _window_start(now, longest)))
     wanted: dict[str, int] = {}
-    at = now
+    at, until = now, None
     if limits.rate_limit is not None:
         count, seconds = limits.rate_limit
         since = _window_start(now, seconds)
@@ -347,16 +360,17 @@ def _reserve(
         # Starts made ahead only while the window has room to spare (at least half of it
         # left after them), half the spare at most, so that other runners find some: where
         # the limit binds, no runner holds starts it may not use. Made ahead, they all count
-        # at a moment to come (``POOL_SHARE``), and the runner's claims draw on them until
-        # just past it.
+        # at a moment to come (``POOL_SHARE``), and the runner's claims draw on them for
+        # the first half of the time until then.
         ahead = max(0, min(ahead, (left - batch - math.ceil(count / 2)) // 2))
         if ahead:
-            at = now + timedelta(seconds=min(seconds * POOL_SHARE, POOL_HORIZON))
+            horizon = min(max(seconds * POOL_SHARE, POOL_LEAST), POOL_HORIZON)
+            at, until = now + timedelta(seconds=horizon), now + timedelta(seconds=horizon / 2)
         wanted[""] = min(batch + ahead, left)
     if limits.rate_limit_per_key is not None:
         wanted.update(_key_starts(conn, queue, limits.rate_limit_per_key, now, batch))
     rows: list[dict[str, Any]] = []
-    reserved = Reserved(at=at, limits=limits)
+    reserved = Reserved(at=at, until=until, limits=limits)
     for key, number in wanted.items():
         if number <= 0:
             reserved.by_key[key] = []
