@@ -650,7 +650,8 @@ class FlowClaim:
             for queue, key, n, job_id in self.taken:
                 groups.setdefault((queue, key), {})[n] = job_id
             for (queue, key), holders in groups.items():
-                direct.execute(self.conn, *sql.name_holders(queue, key, holders, token))
+                name = self.conn.dialect.name
+                direct.execute(self.conn, *sql.name_holders(queue, key, holders, token, name))
         unused = [start for reserved in self.reserved.values() for start in reserved.unused()]
         if unused:
             self.control.give_back(unused)
