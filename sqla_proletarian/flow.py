@@ -16,9 +16,12 @@ in the same transaction as the rest of the claim, both modes alike:
   worker reserves starts in a short transaction of its own, in turn with the queue's other
   workers (the limit row's lock): at most what the window (``seconds``, plus ``RATE_MARGIN``)
   has left. A sliding window over stored start times: no window ever holds more than
-  ``count``. Reservations a claim did not use are deleted with it. A handler starts within
-  ``RATE_MARGIN`` of its reservation or not at all (its job goes back unrun, uncharged), so
-  the windows hold over the handlers' own start times too.
+  ``count``. While the window has room to spare, a reservation makes starts ahead for the
+  runner's next claims (its pool), counted at a moment to come: a later reservation counts
+  them wherever between the two their handlers start. Reservations a claim did not use are
+  deleted with the runner's next reservation. A handler starts between its reservation and
+  ``RATE_MARGIN`` past the moment its start counts at, or not at all (its job goes back
+  unrun, uncharged), so the windows hold over the handlers' own start times too.
 
 A worker learns that a queue has limits at a claim that comes back short, within a second
 (the poll skipped the queue); from then on it reads the queue's limits at each claim, and
@@ -27,6 +30,7 @@ forgets them when they are cleared.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import uuid
@@ -38,6 +42,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Engine
 
+from sqla_proletarian import direct
 from sqla_proletarian.limits import QueueLimits, read_versions
 from sqla_proletarian.statements import flow as sql
 
@@ -68,10 +73,20 @@ ROUNDS = 4
 #: Seconds between a runner's looks for queues that got limits (at a claim that found fewer
 #: jobs than it could take). Until it looks, the poll skips such a queue.
 LOOK_INTERVAL = 1.0
-#: Claims' worth of a queue's own starts a reservation makes ahead, for the runner's next
-#: claims, and the age past which they are given back unused.
+#: Claims' worth of a queue's own starts a runner's first reservation makes ahead, for its
+#: next claims (the pool); doubled each time its claims use a pool up, halved each time most
+#: of one expires unused, up to ``POOL_MOST`` starts.
 POOL_CLAIMS = 8
-POOL_AGE = RATE_MARGIN / 4
+POOL_MOST = 10_000
+#: A reservation that makes starts ahead counts them all at a moment after it is made (its
+#: ``at``): this share of the rate's ``seconds`` later, at least ``POOL_LEAST`` and at most
+#: ``POOL_HORIZON`` seconds. The runner's claims draw on them for the first half of that
+#: time, so that a claim's handlers (a batch run one after another) have the second half and
+#: ``START_WITHIN`` to start; each starts between the reservation and ``START_WITHIN`` past
+#: its ``at``, which every later reservation whose starts could share a window with it counts.
+POOL_SHARE = 0.5
+POOL_LEAST = 2 * RATE_MARGIN
+POOL_HORIZON = 2.0
 #: Seconds between a runner's deletions of a rate-limited queue's starts that no window
 #: counts any more.
 PRUNE_INTERVAL = 1.0
@@ -91,8 +106,10 @@ class Reserved:
     version: Any = None
     #: Taken from the pool: its limits may be older than the claim (the claim checks).
     pooled: bool = False
-    #: When they were reserved: the start time every window counts them at.
+    #: When they count as started in every window (when they were reserved, or later for
+    #: starts made ahead), and until when the runner's claims may draw on them (pooled).
     at: datetime | None = None
+    until: datetime | None = None
 
     def unused(self) -> list[uuid.UUID]:
         return [start for starts in self.by_key.values() for start in starts]
@@ -115,7 +132,14 @@ class FlowControl:
         #: Starts reserved ahead for the next claims, by queue; starts to delete.
         self.pool: dict[str, Reserved] = {}
         self.stale: list[uuid.UUID] = []
+        #: How many starts the next reservation of a queue makes ahead (``POOL_CLAIMS`` claims'
+        #: worth at first), and the queues whose last pool the claims used up.
+        self.ahead: dict[str, int] = {}
+        self.used_up: set[str] = set()
         self._pool_lock = threading.Lock()
+        #: Held by the runner's reservation under way: its other threads wait for its pool
+        #: instead of each reserving (and taking turns on the limit row) for itself.
+        self._reserving = threading.Lock()
 
     def prepare(
         self,
@@ -138,25 +162,37 @@ class FlowControl:
             return {}
         now = clock()  # read only here: a claim of no rated queue reads the clock once
         reserved: dict[str, Reserved] = {}
+        needed = self._take_pooled(rated, reserved, now, batch)
+        if not needed:
+            return reserved
+        with self._reserving:
+            # The reservation that held the lock may have pooled the starts this one needs.
+            needed = self._take_pooled(needed, reserved, now, batch)
+            if not needed:
+                return reserved
+            with self._pool_lock:
+                stale, self.stale = self.stale, []
+            try:
+                made = _committed(
+                    conn, begin, lambda: self._reserve_in(conn, needed, stale, now, batch)
+                )
+            except BaseException:
+                with self._pool_lock:
+                    self.stale.extend(stale)
+                raise
+        reserved.update(made)
+        return reserved
+
+    def _take_pooled(
+        self, queues: list[str], reserved: dict[str, Reserved], now: datetime, batch: int
+    ) -> list[str]:
+        """Serve ``queues`` from their pools into ``reserved``; those left to reserve."""
         with self._pool_lock:
-            for queue in rated:
+            for queue in queues:
                 pooled = self._from_pool(queue, now, batch)
                 if pooled is not None:
                     reserved[queue] = pooled
-            stale, self.stale = self.stale, []
-        needed = [queue for queue in rated if queue not in reserved]
-        if not needed and not stale:
-            return reserved
-        try:
-            made = _committed(
-                conn, begin, lambda: self._reserve_in(conn, needed, stale, now, batch)
-            )
-        except BaseException:
-            with self._pool_lock:
-                self.stale.extend(stale)
-            raise
-        reserved.update(made)
-        return reserved
+        return [queue for queue in queues if queue not in reserved]
 
     def _reserve_in(
         self,
@@ -181,7 +217,7 @@ class FlowControl:
                 continue  # the claim reads the limits again and learns of the change
             limits, version = fresh[queue]
             prune = time.monotonic() - self.pruned.get(queue, 0.0) > PRUNE_INTERVAL
-            ahead = 0 if limits.rate_limit_per_key else batch * POOL_CLAIMS
+            ahead = 0 if limits.rate_limit_per_key else self._ahead(queue, batch)
             reservation = _reserve(conn, queue, limits, now, batch, ahead, prune=prune)
             reservation.version = version
             made[queue] = self._to_pool(queue, reservation, batch)
@@ -195,23 +231,44 @@ class FlowControl:
         self.known = _committed(conn, begin, lambda: read_versions(conn, self.queues))
         self.looked = time.monotonic()
 
+    def _ahead(self, queue: str, batch: int) -> int:
+        """How many starts the queue's next reservation makes ahead: twice the last pool's
+        if the claims used it up, half if most of it expired unused."""
+        least = batch * POOL_CLAIMS
+        with self._pool_lock:
+            ahead = max(self.ahead.get(queue, least), least)
+            if queue in self.used_up:
+                self.used_up.discard(queue)
+                ahead = min(2 * ahead, POOL_MOST)
+            self.ahead[queue] = ahead
+        return ahead
+
     def _from_pool(self, queue: str, now: datetime, batch: int) -> Reserved | None:
-        """Up to ``batch`` of the queue's pooled starts still fresh (at most ``POOL_AGE``
-        old, so that a handler starts within ``RATE_MARGIN`` of its start); older ones go
-        to ``stale``, to be deleted."""
+        """Up to ``batch`` of the queue's pooled starts still fresh (``until`` has not
+        passed, so that its handlers have time to start before ``START_WITHIN`` past the
+        moment they count at); older ones go to ``stale``, to be deleted."""
         pool = self.pool.get(queue)
         if pool is None:
             return None
-        if pool.at is None or now - pool.at > timedelta(seconds=POOL_AGE):
-            self.stale.extend(pool.unused())
+        if pool.until is None or now > pool.until:
+            unused = pool.unused()
+            if 2 * len(unused) > self.ahead.get(queue, 0):
+                self.ahead[queue] = self.ahead.get(queue, 0) // 2
+            self.stale.extend(unused)
             del self.pool[queue]
             return None
         starts = pool.by_key[""]
         taken, pool.by_key[""] = starts[:batch], starts[batch:]
         if not pool.by_key[""]:
+            self.used_up.add(queue)
             del self.pool[queue]
         return Reserved(
-            {"": taken}, at=pool.at, limits=pool.limits, version=pool.version, pooled=True
+            {"": taken},
+            at=pool.at,
+            until=pool.until,
+            limits=pool.limits,
+            version=pool.version,
+            pooled=True,
         )
 
     def _to_pool(self, queue: str, made: Reserved, batch: int) -> Reserved:
@@ -226,7 +283,11 @@ class FlowControl:
             if old is not None:
                 self.stale.extend(old.unused())
             self.pool[queue] = Reserved(
-                {"": ahead}, at=made.at, limits=made.limits, version=made.version
+                {"": ahead},
+                at=made.at,
+                until=made.until,
+                limits=made.limits,
+                version=made.version,
             )
         return made
 
@@ -290,20 +351,26 @@ def _reserve(
         longest = max(rate[1] for rate in rates if rate)
         conn.execute(*sql.prune_starts(queue, _window_start(now, longest)))
     wanted: dict[str, int] = {}
+    at, until = now, None
     if limits.rate_limit is not None:
         count, seconds = limits.rate_limit
         since = _window_start(now, seconds)
         counts = _sums(conn.execute(*sql.starts_since(queue, [""], since)).all())
         left = count - counts.get("", 0)
         # Starts made ahead only while the window has room to spare (at least half of it
-        # left after them): where the limit binds, no runner holds starts it may not use.
-        if left - batch - ahead < count / 2:
-            ahead = 0
+        # left after them), half the spare at most, so that other runners find some: where
+        # the limit binds, no runner holds starts it may not use. Made ahead, they all count
+        # at a moment to come (``POOL_SHARE``), and the runner's claims draw on them for
+        # the first half of the time until then.
+        ahead = max(0, min(ahead, (left - batch - math.ceil(count / 2)) // 2))
+        if ahead:
+            horizon = min(max(seconds * POOL_SHARE, POOL_LEAST), POOL_HORIZON)
+            at, until = now + timedelta(seconds=horizon), now + timedelta(seconds=horizon / 2)
         wanted[""] = min(batch + ahead, left)
     if limits.rate_limit_per_key is not None:
         wanted.update(_key_starts(conn, queue, limits.rate_limit_per_key, now, batch))
     rows: list[dict[str, Any]] = []
-    reserved = Reserved(at=now, limits=limits)
+    reserved = Reserved(at=at, until=until, limits=limits)
     for key, number in wanted.items():
         if number <= 0:
             reserved.by_key[key] = []
@@ -311,7 +378,7 @@ def _reserve(
         row_id = uuid.uuid4()
         reserved.by_key[key] = [row_id] * number
         rows.append(
-            {"id": row_id, "queue": queue, "slot_key": key, "started_at": now, "starts": number}
+            {"id": row_id, "queue": queue, "slot_key": key, "started_at": at, "starts": number}
         )
     if rows:
         conn.execute(*sql.insert_starts(rows))
@@ -564,13 +631,14 @@ class FlowClaim:
         lease was committed after the lock statement's snapshot is checked again here."""
         conn = self.conn
         mine = self._locked.setdefault((queue, key), [])
-        rows = conn.execute(*sql.free_slots(queue, key, most, want, now, mine, version)).all()
-        mine.extend(row.n for row in rows)
-        named = [row.job_id for row in rows if row.job_id is not None]
+        statement = sql.free_slots(queue, key, most, want, now, mine, version)
+        rows = direct.execute(conn, *statement).rows
+        mine.extend(n for n, _, _ in rows)
+        named = [job_id for _, job_id, _ in rows if job_id is not None]
         if not named:
-            return [row.n for row in rows]
-        live = {(job_id, token) for job_id, token in conn.execute(*sql.live_leases(named, now))}
-        return [row.n for row in rows if (row.job_id, row.token) not in live]
+            return [n for n, _, _ in rows]
+        live = set(direct.execute(conn, *sql.live_leases(named, now)).rows)
+        return [n for n, job_id, token in rows if (job_id, token) not in live]
 
     def finish(self, token: uuid.UUID | None = None) -> None:
         """In the claim's transaction, before its commit: lease mode names each slot's holder
@@ -582,7 +650,8 @@ class FlowClaim:
             for queue, key, n, job_id in self.taken:
                 groups.setdefault((queue, key), {})[n] = job_id
             for (queue, key), holders in groups.items():
-                self.conn.execute(*sql.name_holders(queue, key, holders, token))
+                name = self.conn.dialect.name
+                direct.execute(self.conn, *sql.name_holders(queue, key, holders, token, name))
         unused = [start for reserved in self.reserved.values() for start in reserved.unused()]
         if unused:
             self.control.give_back(unused)

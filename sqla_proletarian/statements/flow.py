@@ -19,6 +19,7 @@ from sqlalchemy import (
     Uuid,
     bindparam,
     case,
+    column,
     delete,
     func,
     insert,
@@ -87,22 +88,20 @@ _HELD_BY_LEASE = (
 _LIMITS_SET_AT = select(LIMITS.c.updated_at).where(LIMITS.c.queue == _QUEUE).scalar_subquery()
 
 
-@cache
-def _free_slots(want: int) -> Select[Any]:
-    return (
-        select(SLOTS.c.n, SLOTS.c.job_id, SLOTS.c.token)
-        .where(
-            SLOTS.c.queue == _QUEUE,
-            SLOTS.c.slot_key == bindparam("key"),
-            SLOTS.c.n <= bindparam("most", type_=Integer()),
-            SLOTS.c.n.not_in(bindparam("mine", expanding=True, type_=Integer())),
-            bindparam("version", type_=LIMITS.c.updated_at.type) == _LIMITS_SET_AT,
-            ~_HELD_BY_LEASE,
-        )
-        .order_by(SLOTS.c.n)
-        .limit(want)
-        .with_for_update(skip_locked=True)
+_FREE_SLOTS = (
+    select(SLOTS.c.n, SLOTS.c.job_id, SLOTS.c.token)
+    .where(
+        SLOTS.c.queue == _QUEUE,
+        SLOTS.c.slot_key == bindparam("key"),
+        SLOTS.c.n <= bindparam("most", type_=Integer()),
+        SLOTS.c.n.not_in(bindparam("mine", expanding=True, type_=Integer())),
+        bindparam("version", type_=LIMITS.c.updated_at.type) == _LIMITS_SET_AT,
+        ~_HELD_BY_LEASE,
     )
+    .order_by(SLOTS.c.n)
+    .limit(bindparam("want", type_=Integer()))
+    .with_for_update(skip_locked=True)
+)
 
 
 def free_slots(
@@ -126,8 +125,9 @@ def free_slots(
         "now": now,
         "mine": mine,
         "version": version,
+        "want": want,
     }
-    return _free_slots(want), params
+    return _FREE_SLOTS, params
 
 
 _LIVE_LEASES = select(JOB.c.job_id, JOB.c.lease_token).where(
@@ -141,23 +141,69 @@ def live_leases(job_ids: list[uuid.UUID], now: datetime) -> Statement:
     return _LIVE_LEASES, {"ids": job_ids, "now": now}
 
 
-def name_holders(
-    queue: str, key: str, holders: dict[int, uuid.UUID], token: uuid.UUID
-) -> Statement:
-    """Lease mode: the slots of ``(queue, key)`` a claim took name their jobs (slot number:
-    job id) and the claim's lease token, in one statement."""
-    numbers = sorted(holders)
+@cache
+def _name_holders(count: int) -> Executable:
+    """For up to ``count`` slots: the statement of each number of slots is compiled once per
+    power of two, the unused branches given number 0, which no slot has."""
     job_id = case(
-        {n: bindparam(f"job_{n}", holders[n], type_=Uuid()) for n in numbers}, value=SLOTS.c.n
+        *[
+            (
+                SLOTS.c.n == bindparam(f"s_n{i}", type_=Integer()),
+                bindparam(f"s_job{i}", type_=Uuid()),
+            )
+            for i in range(count)
+        ]
     )
-    statement = (
+    return (
         update(SLOTS)
         .where(SLOTS.c.queue == bindparam("s_queue"), SLOTS.c.slot_key == bindparam("s_key"))
         .where(SLOTS.c.n.in_(bindparam("s_numbers", expanding=True, type_=Integer())))
         .values(job_id=job_id, token=bindparam("s_token", type_=Uuid()))
     )
-    params = {"s_queue": queue, "s_key": key, "s_numbers": numbers, "s_token": token}
-    return statement, params
+
+
+_HOLDERS = (
+    func.unnest(
+        bindparam("s_numbers", type_=postgresql.ARRAY(Integer())),
+        bindparam("s_jobs", type_=postgresql.ARRAY(Uuid())),
+    )
+    .table_valued(column("n", Integer()), column("job_id", Uuid()), name="holders")
+    .render_derived()
+)
+#: PostgreSQL: the slots' numbers and their jobs as two arrays, one statement text for any
+#: number of slots.
+_NAME_HOLDERS_UNNEST = (
+    update(SLOTS)
+    .where(
+        SLOTS.c.queue == bindparam("s_queue"),
+        SLOTS.c.slot_key == bindparam("s_key"),
+        SLOTS.c.n == _HOLDERS.c.n,
+    )
+    .values(job_id=_HOLDERS.c.job_id, token=bindparam("s_token", type_=Uuid()))
+)
+
+
+def name_holders(
+    queue: str, key: str, holders: dict[int, uuid.UUID], token: uuid.UUID, dialect_name: str
+) -> Statement:
+    """Lease mode: the slots of ``(queue, key)`` a claim took name their jobs (slot number:
+    job id) and the claim's lease token, in one statement."""
+    numbers = sorted(holders)
+    params: dict[str, Any] = {
+        "s_queue": queue,
+        "s_key": key,
+        "s_numbers": numbers,
+        "s_token": token,
+    }
+    if dialect_name == "postgresql":
+        params["s_jobs"] = [holders[n] for n in numbers]
+        return _NAME_HOLDERS_UNNEST, params
+    size = 1 << (len(numbers) - 1).bit_length()
+    for i in range(size):
+        n = numbers[i] if i < len(numbers) else 0
+        params[f"s_n{i}"] = n
+        params[f"s_job{i}"] = holders.get(n)
+    return _name_holders(size), params
 
 
 _SLOT_NUMBERS = select(SLOTS.c.slot_key, SLOTS.c.n).where(

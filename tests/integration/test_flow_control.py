@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 import uuid
@@ -18,12 +19,13 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from helpers import archived, count, wait_for
+from helpers import archived, count, events, wait_for
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import Session
 from test_leases_asyncio import ASYNC_DRIVERNAME
 
 import sqla_proletarian as sp
+from sqla_proletarian.models import Start
 
 MODES = {
     "transaction": {"polling_interval": 0.02},
@@ -67,7 +69,7 @@ class Intervals:
 
 @contextmanager
 def workers(
-    database: Any, handler: Any, mode: str, number: int = 2, threads: int = 4
+    database: Any, handler: Any, mode: str, number: int = 2, threads: int = 4, **options: Any
 ) -> Iterator[None]:
     with ExitStack() as stack:
         for _ in range(number):
@@ -78,6 +80,7 @@ def workers(
                 worker_threads=threads,
                 queues=["q"],
                 **MODES[mode],
+                **options,
             )
             worker.start()
             stack.callback(worker.stop)
@@ -154,6 +157,40 @@ def test_a_rate_limit_holds_in_every_window_of_its_seconds(
     # 14 starts at 4 per half second take at least three windows.
     assert starts[-1] - starts[0] >= 1.5
     assert {(row.status, row.attempts) for row in archived(engine)} == {("success", 1)}
+
+
+def test_a_batch_under_a_rate_with_room_to_spare_starts_every_handler_in_time(
+    database: Any, engine: sa.Engine, mode: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """rate_limit=(1000, 10.0), far from binding; one thread claims batches of 10 jobs of
+    40 ms and runs them one after another, the last about 0.4 s after the claim: every
+    handler starts (the starts made ahead count at a moment to come, and the claim's
+    handlers have until just past it), none goes back unrun as too late."""
+    if database.backend == "sqlite" and mode == "transaction":
+        pytest.skip("SQLite in transaction mode claims one job at a time: no batch")
+    caplog.set_level(logging.INFO, logger="sqla_proletarian")
+    set_limits(engine, rate_limit=(1000, 10.0))
+    enqueue(engine, 30)
+    handler = Intervals(0.04)
+    with workers(database, handler, mode, number=1, threads=1, batch_size=10):
+        drained(engine, 30)
+    assert events(caplog.records, "start-too-late") == []
+    assert len(handler.runs) == 30
+    assert {(row.status, row.attempts) for row in archived(engine)} == {("success", 1)}
+
+
+def test_a_rate_limit_with_room_to_spare_reserves_for_many_claims_at_once(
+    database: Any, engine: sa.Engine, mode: str
+) -> None:
+    """rate_limit=(100000, 60.0), far from binding, 4 threads claiming one job at a time:
+    the worker reserves starts ahead in growing pools that its threads share, so that 200
+    jobs take a handful of reservations (a row of ``proletarian_start`` each, none pruned
+    within the minute), not one every few claims."""
+    set_limits(engine, rate_limit=(100_000, 60.0))
+    enqueue(engine, 200)
+    with workers(database, Intervals(0.001), mode, number=1):
+        drained(engine, 200)
+    assert count(engine, Start) <= 12
 
 
 def test_a_rate_limit_per_key_counts_each_key_apart(
