@@ -30,6 +30,7 @@ forgets them when they are cleared.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 import time
@@ -165,23 +166,41 @@ class FlowControl:
         needed = self._take_pooled(rated, reserved, now, batch)
         if not needed:
             return reserved
-        with self._reserving:
+        # In the asyncio worker the reservation under way may be another task's, on this
+        # very thread: waiting for it would stop the event loop it needs, so this claim
+        # reserves for itself instead.
+        if not self._reserving.acquire(blocking=asyncio._get_running_loop() is None):
+            reserved.update(self._reserve_committed(conn, begin, needed, now, batch))
+            return reserved
+        try:
             # The reservation that held the lock may have pooled the starts this one needs.
             needed = self._take_pooled(needed, reserved, now, batch)
-            if not needed:
-                return reserved
-            with self._pool_lock:
-                stale, self.stale = self.stale, []
-            try:
-                made = _committed(
-                    conn, begin, lambda: self._reserve_in(conn, needed, stale, now, batch)
-                )
-            except BaseException:
-                with self._pool_lock:
-                    self.stale.extend(stale)
-                raise
-        reserved.update(made)
+            if needed:
+                reserved.update(self._reserve_committed(conn, begin, needed, now, batch))
+        finally:
+            self._reserving.release()
         return reserved
+
+    def _reserve_committed(
+        self,
+        conn: Connection,
+        begin: Callable[[Connection], None],
+        needed: list[str],
+        now: datetime,
+        batch: int,
+    ) -> dict[str, Reserved]:
+        """Reserve for ``needed`` in a short transaction of its own, committed (giving the
+        stale starts back); what was reserved, by queue."""
+        with self._pool_lock:
+            stale, self.stale = self.stale, []
+        try:
+            return _committed(
+                conn, begin, lambda: self._reserve_in(conn, needed, stale, now, batch)
+            )
+        except BaseException:
+            with self._pool_lock:
+                self.stale.extend(stale)
+            raise
 
     def _take_pooled(
         self, queues: list[str], reserved: dict[str, Reserved], now: datetime, batch: int

@@ -137,7 +137,7 @@ _PLACEHOLDER = re.compile(
 _CAST = re.compile(r"\?::(?:TIMESTAMP WITH(?:OUT)? TIME ZONE|[A-Z]+)(?:\(\d+\))?(?:\[\])?")
 _GROUP = re.compile(r"\(\?(, \?)*\)")
 _LIST = re.compile(r"\?(, \?)+")
-_CASES = re.compile(r"(WHEN \? THEN \? )+")
+_CASES = re.compile(r"(WHEN (?:\?|\([\w.]+ = \?\)) THEN \? )+")
 
 
 def shape(sql_text: str) -> str:
@@ -831,7 +831,7 @@ def insert_slots(dialect: Dialect) -> Statement:
 @_hot({SLOTS: SLOT_KEY})
 def name_holders(dialect: Dialect) -> Statement:
     """Lease mode, a claim that took slots: the slots name their jobs and the claim's token."""
-    return flow.name_holders(QUEUE, "", {1: IDS[0], 2: IDS[1]}, TOKEN)
+    return flow.name_holders(QUEUE, "", {1: IDS[0], 2: IDS[1]}, TOKEN, dialect.name)
 
 
 @_hot({STARTS: START_WINDOW_INDEX})
