@@ -120,8 +120,9 @@ class QueueWorker:
         #: ``_wakeup``.
         self._idle_threads = threading.Condition()
         self._wakes = 0
+        #: A turn for any idle thread (a claim that may leave more jobs due), and one for a
+        #: given thread (the watcher, when a job was NOTIFYed): neither undoes the other.
         self._turn = False
-        #: The thread the turn is for (the watcher, when a job was NOTIFYed), or None: any.
         self._turn_for: object | None = None
         self._polling = Polling(
             options,
@@ -385,12 +386,13 @@ class QueueWorker:
         try:
             while not self._stopping.is_set():
                 wakes = self._wakes  # before the poll: a wake-up during it is not missed
-                # A turn left before this poll began (for this thread, or any) is taken by it:
-                # it sees what woke.
-                if self._turn and self._turn_for in (None, threading.current_thread()):
+                # A turn left before this poll began (for any thread, or for this one) is taken
+                # by it: it sees what woke.
+                if self._turn or self._turn_for is not None:
                     with self._idle_threads:
-                        if self._turn_for in (None, threading.current_thread()):
-                            self._turn = False
+                        self._turn = False
+                        if self._turn_for is threading.current_thread():
+                            self._turn_for = None
                 match poller.step():
                     case Backoff(pause):
                         self._stopping.wait(pause)
@@ -415,7 +417,10 @@ class QueueWorker:
         current = threading.current_thread()
         with self._idle_threads:
             while self._wakes == wakes and not self._stopping.is_set():
-                if self._turn and self._turn_for in (None, current):
+                if self._turn_for is current:
+                    self._turn_for = None
+                    return
+                if self._turn:
                     self._turn = False
                     return
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -440,11 +445,12 @@ class QueueWorker:
             self._wakeup.set()
             return
         with self._idle_threads:
-            self._turn = True
-            self._turn_for = self._polling.watcher if watcher else None
-            if self._turn_for is None:
+            target = self._polling.watcher if watcher else None
+            if target is None:
+                self._turn = True
                 self._idle_threads.notify()
             else:
+                self._turn_for = target
                 self._idle_threads.notify_all()
 
     # --- lease mode: one poller feeds the threads -----------------------------------------
