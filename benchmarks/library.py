@@ -169,18 +169,33 @@ def drain_processes(
 ) -> Drained:
     """Jobs/s of ``processes`` worker processes, each with 4 threads, and what they counted."""
     worker(engine, **options)  # NotAvailable before any process starts
+    name = f"sqla-proletarian, {processes} processes"
+    return _crews_drain(engine, url, jobs, processes, _drain_child, options, name)
+
+
+def _crews_drain(
+    engine: sa.Engine,
+    url: str,
+    jobs: int,
+    processes: int,
+    child: Any,
+    options: dict[str, Any],
+    name: str,
+) -> Drained:
+    """Fill a queue of ``jobs``, drain it with ``processes`` processes running ``child`` on
+    ``url``, metered; the jobs/s and what the processes counted."""
     fresh_tables(engine)
     fill(engine, jobs)
     runs: Counter[str] = Counter()
     logged: Counter[str] = Counter()
-    with server_work.metered(url, jobs), Crews(processes, _drain_child, url, options) as crews:
+    with server_work.metered(engine.url, jobs), Crews(processes, child, url, options) as crews:
         elapsed = crews.wait_count(jobs)
         crews.stop.set()
         for _ in range(processes):
             _, counted, events = crews.next_report(120)
             runs.update(counted)
             logged.update(events)
-    check_drained(engine, jobs, f"sqla-proletarian, {processes} processes")
+    check_drained(engine, jobs, name)
     return Drained(jobs / elapsed, problems(runs, logged))
 
 
@@ -224,23 +239,8 @@ def drain_async_processes(
     (``concurrency`` 4, the threads of the threaded rows), and what they counted."""
     if not hasattr(sp, "create_async_queue_worker"):
         raise NotAvailable("n/a (no asyncio worker)")
-    fresh_tables(engine)
-    fill(engine, jobs)
-    runs: Counter[str] = Counter()
-    logged: Counter[str] = Counter()
-    url = async_url(url)
-    with (
-        server_work.metered(engine.url, jobs),
-        Crews(processes, _async_drain_child, url, options) as crews,
-    ):
-        elapsed = crews.wait_count(jobs)
-        crews.stop.set()
-        for _ in range(processes):
-            _, counted, events = crews.next_report(120)
-            runs.update(counted)
-            logged.update(events)
-    check_drained(engine, jobs, f"sqla-proletarian asyncio worker, {processes} processes")
-    return Drained(jobs / elapsed, problems(runs, logged))
+    name = f"sqla-proletarian asyncio worker, {processes} processes"
+    return _crews_drain(engine, async_url(url), jobs, processes, _async_drain_child, options, name)
 
 
 def enqueue_many(engine: sa.Engine, jobs: int) -> float:
