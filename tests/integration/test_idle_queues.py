@@ -52,18 +52,26 @@ def schedule_later(engine: sa.Engine, queues: list[str]) -> None:
         session.commit()
 
 
-def threaded_idle_statements(engine: sa.Engine, queues: list[str], mode: dict[str, Any]) -> int:
-    """Statements a threaded worker of one thread serving ``queues``, idle, sends over
-    ``WINDOW`` seconds, once its first polls are done."""
-    worker = sp.create_queue_worker(
+def one_thread_worker(
+    engine: sa.Engine, handler: Any, queues: list[str], mode: dict[str, Any], **options: Any
+) -> sp.QueueWorker:
+    """A worker of one thread serving ``queues``, polling every ``POLL`` seconds, no LISTEN."""
+    return sp.create_queue_worker(
         engine,
-        lambda job_type, payload: None,
+        handler,
         queues=queues,
         worker_threads=1,
         polling_interval=POLL,
         poll_only=True,
+        **options,
         **mode,
     )
+
+
+def threaded_idle_statements(engine: sa.Engine, queues: list[str], mode: dict[str, Any]) -> int:
+    """Statements a threaded worker of one thread serving ``queues``, idle, sends over
+    ``WINDOW`` seconds, once its first polls are done."""
+    worker = one_thread_worker(engine, lambda job_type, payload: None, queues, mode)
     with counted(engine) as statements, running(worker):
         assert wait_for(lambda: statements.count > 0)
         time.sleep(0.5)
@@ -152,16 +160,7 @@ def test_a_job_enqueued_on_the_fourth_of_five_idle_queues_starts_promptly(
     def handler(job: sp.JobContext) -> None:
         ran.append((job.queue, job.job_type))
 
-    worker = sp.create_queue_worker(
-        engine,
-        handler,
-        queues=queues,
-        handler_mode="advanced",
-        worker_threads=1,
-        polling_interval=POLL,
-        poll_only=True,
-        **mode,
-    )
+    worker = one_thread_worker(engine, handler, queues, mode, handler_mode="advanced")
     with running(worker):
         time.sleep(0.5)  # idle: its claims read the queues' ends first
         enqueue_committed(database.engine(), "fourth", queue=queues[3])
@@ -183,16 +182,7 @@ def test_after_idling_the_first_queues_jobs_still_go_first(
     def handler(job: sp.JobContext) -> None:
         ran.append(job.job_type)
 
-    worker = sp.create_queue_worker(
-        engine,
-        handler,
-        queues=queues,
-        handler_mode="advanced",
-        worker_threads=1,
-        polling_interval=POLL,
-        poll_only=True,
-        **mode,
-    )
+    worker = one_thread_worker(engine, handler, queues, mode, handler_mode="advanced")
     with running(worker):
         time.sleep(0.5)
         with Session(database.engine()) as session:
@@ -220,16 +210,7 @@ def test_an_idle_worker_leaves_a_paused_queues_jobs_until_it_is_resumed(
     def handler(job: sp.JobContext) -> None:
         ran.append(job.queue)
 
-    worker = sp.create_queue_worker(
-        engine,
-        handler,
-        queues=queues,
-        handler_mode="advanced",
-        worker_threads=1,
-        polling_interval=POLL,
-        poll_only=True,
-        **mode,
-    )
+    worker = one_thread_worker(engine, handler, queues, mode, handler_mode="advanced")
     with running(worker):
         time.sleep(0.5)
         enqueue_committed(database.engine(), "paused", queue=queues[2])
