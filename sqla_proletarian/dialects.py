@@ -121,6 +121,8 @@ class Dialect:
                 yield conn
             finally:
                 if not conn.invalidated:
+                    _end_refused_commit(conn, driver)
+                if not conn.invalidated:
                     driver.isolation_level = previous  # type: ignore[union-attr]
 
     @contextmanager
@@ -182,6 +184,22 @@ class Dialect:
                 "or use a shared in-memory database "
                 "('sqlite:///file:jobs?mode=memory&cache=shared&uri=true') without StaticPool"
             )
+
+
+def _end_refused_commit(conn: Connection, driver: Any) -> None:
+    """Roll back what a refused COMMIT left open on a SQLite connection.
+
+    SQLite refuses a COMMIT while a reader holds its lock ("database is locked") and keeps
+    the transaction, with its write lock, open. SQLAlchemy takes a failed commit for an
+    ended transaction and returns the connection to the pool without a rollback, where it
+    would hold the write lock for good and stop every other writer.
+    """
+    if not getattr(driver, "in_transaction", False):
+        return
+    try:
+        driver.rollback()
+    except Exception:
+        conn.invalidate()  # closed, so the pool never hands its lock on
 
 
 def set_up(conn: Connection, **options: Any) -> None:

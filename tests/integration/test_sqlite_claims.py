@@ -5,6 +5,7 @@ draining worker takes turns with the application's writes."""
 from __future__ import annotations
 
 import logging
+import sqlite3
 import threading
 import time
 from datetime import timedelta
@@ -164,3 +165,49 @@ def test_the_apps_writes_beside_a_draining_sqlite_worker_never_wait_out_the_busy
     assert worker.summary() == {"succeeded": jobs, "retried": 0, "failed": 0}
     assert waits and max(waits) < 1.5, f"the slowest of {len(waits)} writes: {max(waits):.2f} s"
     assert not events(caplog.records, "transient-polling-error")
+
+
+@pytest.mark.parametrize("mode", ["transaction", "lease"])
+def test_a_commit_refused_while_a_reader_holds_the_file_leaves_no_write_lock_behind(
+    database: Database, mode: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A reader holds the file's shared lock past the busy timeout while a job ends: SQLite
+    refuses the completion's COMMIT and keeps its transaction (and write lock) open. The
+    worker rolls that back before the connection returns to its pool, so once the reader is
+    gone the job and the ones after it run: no connection keeps the write lock, and none is
+    taken for the application's."""
+    engine = database.engine(connect_args={"timeout": 0.2})
+    first = enqueue_committed(engine, "first")
+    handler_ran, lock_held = threading.Event(), threading.Event()
+    runs: list[str] = []
+
+    def handler(job_type: str, payload: Any) -> None:
+        runs.append(job_type)
+        if job_type == "first" and not handler_ran.is_set():
+            handler_ran.set()
+            assert lock_held.wait(10)
+
+    reader = sqlite3.connect(database.url.database or "", isolation_level=None)
+    worker = sp.create_queue_worker(
+        engine,
+        handler,
+        polling_interval=0.05,
+        lease_seconds=2 if mode == "lease" else None,  # a lease given up expires soon
+    )
+    caplog.set_level(logging.INFO, logger="sqla_proletarian")
+    try:
+        with worker:
+            assert handler_ran.wait(10)
+            reader.execute("BEGIN")
+            reader.execute("SELECT count(*) FROM proletarian_job").fetchall()
+            lock_held.set()
+            time.sleep(1.0)  # five busy timeouts: the job's COMMIT is refused
+            reader.execute("COMMIT")
+            later = [enqueue_committed(engine, "later", {"n": n}) for n in range(3)]
+            assert wait_for(lambda: worker.summary()["succeeded"] == 4, timeout=20)
+    finally:
+        reader.close()
+    assert job_row(engine, first) is None
+    assert all(job_row(engine, job_id) is None for job_id in later)
+    assert runs.count("later") == 3
+    assert not [r for r in caplog.records if "shared with the application" in r.getMessage()]
