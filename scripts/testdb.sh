@@ -116,6 +116,9 @@ ensure_installed() {
     [[ -n $(pg_bindir) ]] || pkgs+=(postgresql)
     my_prog mariadbd >/dev/null && my_prog mariadb-install-db >/dev/null || pkgs+=(mariadb-server)
     my_prog mariadb-admin >/dev/null && my_prog mariadb >/dev/null || pkgs+=(mariadb-client)
+    # The Galera cluster of tests/galera (scripts/galera.sh): its provider and rsync transfers.
+    [[ -f /usr/lib/galera/libgalera_smm.so ]] || pkgs+=(galera-4)
+    command -v rsync >/dev/null || pkgs+=(rsync)
     ((${#pkgs[@]})) || return 0
 
     if ! ((IS_ROOT)); then
