@@ -161,7 +161,12 @@ _READERS: dict[str, Callable[[Connection], ReplicaLag]] = {
 
 
 def _reason(exc: BaseException) -> str:
-    """The first line of the driver's own message."""
+    """The first line of the driver's own message (a MySQL driver's without its tuple)."""
     orig = driver_error(exc)
-    lines = str(orig if orig is not None else exc).strip().splitlines()
+    text = str(orig if orig is not None else exc)
+    errno = mysql_errno(orig) if orig is not None else None
+    args = getattr(orig, "args", ())
+    if errno is not None and len(args) == 2 and isinstance(args[1], str):
+        text = f"{args[1]} (error {errno})"
+    lines = text.strip().splitlines()
     return " ".join(lines[0].split()) if lines else type(exc).__name__
