@@ -165,7 +165,7 @@ def _reason(exc: BaseException) -> str:
     orig = driver_error(exc)
     text = str(orig if orig is not None else exc)
     errno = mysql_errno(orig) if orig is not None else None
-    args = getattr(orig, "args", ())
+    args: tuple[Any, ...] = getattr(orig, "args", ())
     if errno is not None and len(args) == 2 and isinstance(args[1], str):
         text = f"{args[1]} (error {errno})"
     lines = text.strip().splitlines()
