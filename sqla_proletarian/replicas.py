@@ -83,7 +83,7 @@ def replica_lag(bind: Engine | Connection) -> ReplicaLag:
     except sa_exc.SQLAlchemyError as exc:
         reason = _reason(exc)
         log_event(
-            logging.WARNING,
+            logging.INFO,
             "replica-lag-unknown",
             reason=reason,
             hint="the views go on without it; docs/dashboard.md (Reading from a replica) lists "

@@ -13,8 +13,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -239,6 +241,40 @@ def test_status_jobs_and_failed_read_from_read_url_alone_and_say_the_lag_first(
     assert failed_json["replica_lag"]["text"] == "not a replica: reading from the primary"
     assert [job["job_id"] for job in json.loads(jobs_json.stdout)] == [str(queued)]
     assert "not a replica" in jobs_json.stderr
+
+
+def test_dashboard_command_with_read_url_serves_pages_read_there_with_the_lag(
+    database: Database, primary: Counted
+) -> None:
+    """``sqla-proletarian dashboard --read-url``: the pages say how far the read server
+    lags (here: not a replica), and the command says it reads from there."""
+    enqueue(primary.engine, queue="mail")
+    read_url = read_only_url(database).render_as_string(hide_password=False)
+    url = database.url.render_as_string(hide_password=False)
+    command = ["dashboard", "--url", url, "--port", "0", "--read-url", read_url]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sqla_proletarian", *command],
+        env={**os.environ, **CLI_ENV},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        assert line.startswith("dashboard at http://127.0.0.1:"), line
+        assert "reading from --read-url" in line
+        with urllib.request.urlopen(line.split()[2].rstrip(";"), timeout=30) as response:
+            page = response.read().decode()
+        assert 'id="replica-lag"' in page and "not a replica" in page
+        assert '<tr data-queue="mail">' in page
+        process.send_signal(signal.SIGINT)
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        process.stdout.close()  # type: ignore[union-attr]
 
 
 def test_replica_lag_of_a_primary_says_not_a_replica_and_leaves_a_transaction_usable(
