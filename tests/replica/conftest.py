@@ -6,8 +6,10 @@ sure a healthy pair runs, and its env file (``$SP_PGPAIR_DIR/env``) gives the tw
 test gets a fresh database of its own on the primary, seen on the standby once replayed.
 Without the script or without PostgreSQL the tests are skipped; under ``CI`` that is an error.
 
-The tests take turns (a lock file in the pair's state directory), also across xdist
-workers: one of them pauses the standby's replay, which would hold up the others' waits.
+The tests take turns on the pair (the lock file ``$SP_PGPAIR_DIR.tests.lock``, beside the
+state directory), also across xdist workers: one of them pauses the standby's replay, which
+would hold up the others' waits, and any other suite that fails the pair over should hold
+the same lock.
 """
 
 from __future__ import annotations
@@ -72,8 +74,8 @@ def pair() -> Iterator[Pair]:
     if not script.exists():
         _absent(f"{script} is not there: set SP_PGPAIR_SCRIPT to the pair's script")
     state = _state_dir()
-    state.mkdir(parents=True, exist_ok=True)
-    with open(state.parent / f".{state.name}.replica-tests.lock", "w") as lock:
+    state.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{state}.tests.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         done = subprocess.run([str(script), "ensure"], capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
