@@ -77,9 +77,12 @@ def replica_lag(bind: Engine | Connection) -> ReplicaLag:
     leaves the transaction usable.
     """
     try:
-        with _reading(bind, "replica_lag") as conn, _contained(conn):
-            reader = _READERS.get(conn.dialect.name, _not_replicated)
-            return reader(conn)
+        with _reading(bind, "replica_lag") as conn:
+            reader = _READERS.get(conn.dialect.name)
+            if reader is None:  # SQLite: no replicas, nothing to ask
+                return ReplicaLag("primary")
+            with _contained(conn):
+                return reader(conn)
     except sa_exc.SQLAlchemyError as exc:
         reason = _reason(exc)
         log_event(
@@ -147,12 +150,8 @@ def _mysql(conn: Connection) -> ReplicaLag:
     return ReplicaLag("replica", seconds=float(behind))
 
 
-def _not_replicated(conn: Connection) -> ReplicaLag:
-    """SQLite (and any server without replication the library knows of): its own data."""
-    return ReplicaLag("primary")
-
-
-#: How each server says it is a replica, by SQLAlchemy's dialect name.
+#: How each server says it is a replica, by SQLAlchemy's dialect name; any other (SQLite)
+#: has none.
 _READERS: dict[str, Callable[[Connection], ReplicaLag]] = {
     "postgresql": _postgresql,
     "mysql": _mysql,

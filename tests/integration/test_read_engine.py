@@ -333,13 +333,19 @@ def test_views_on_a_read_role_refused_the_lag_show_lag_unknown_and_go_on(
     refused_url: URL, primary: Counted
 ) -> None:
     """A read role the server refuses the replication functions to: ``status`` and the
-    dashboard still show the queues, with "lag unknown" and the server's reason."""
+    dashboard still show the queues, with "lag unknown" and the server's reason; read
+    through the caller's connection, the refusal leaves its transaction usable."""
     enqueue(primary.engine, queue="mail")
     reader = sa.create_engine(refused_url)
     try:
         lag = sp.replica_lag(reader)
         assert lag.role == "unknown"
         assert re.search(r"permission denied|SLAVE MONITOR|REPLICA MONITOR", lag.reason or "")
+        count = sa.select(sa.func.count()).select_from(statements.JOB)
+        with reader.connect() as conn:
+            assert conn.execute(count).scalar() == 1  # the caller's transaction begins
+            assert sp.replica_lag(conn).role == "unknown"
+            assert conn.execute(count).scalar() == 1  # and is still usable
 
         done = run_cli("status", "--read-url", refused_url.render_as_string(hide_password=False))
         assert done.returncode == 0, done.stderr
