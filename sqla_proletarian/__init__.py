@@ -63,6 +63,7 @@ from sqla_proletarian.models import (
 )
 from sqla_proletarian.options import WorkerOptions
 from sqla_proletarian.periodic import PeriodicJob
+from sqla_proletarian.replicas import ReplicaLag, replica_lag
 from sqla_proletarian.results import get_result, wait_for_result, wait_for_result_async
 from sqla_proletarian.retry import RetryStrategy
 from sqla_proletarian.serialization import JsonSerializer, Serializer
@@ -131,6 +132,7 @@ __all__ = [
     "QueueLimits",
     "QueueStatus",
     "QueueWorker",
+    "ReplicaLag",
     "ResultNotReady",
     "ResultSerializationError",
     "ResultTooLargeError",
@@ -163,6 +165,7 @@ __all__ = [
     "prune_archive",
     "queue_limits",
     "queue_status",
+    "replica_lag",
     "resume_queue",
     "retry_failed",
     "retry_failed_report",

@@ -26,6 +26,7 @@ from sqla_proletarian.errors import ConfigurationError, ProletarianError, driver
 from sqla_proletarian.exits import EXIT_INTERRUPTED as EXIT_INTERRUPTED
 from sqla_proletarian.inspection import JOB_STATES, list_jobs, queue_status
 from sqla_proletarian.limits import QueueLimits
+from sqla_proletarian.replicas import ReplicaLag, replica_lag
 
 PROG = "sqla-proletarian"
 #: Exit status for bad command-line input (argparse's own).
@@ -129,11 +130,16 @@ def _url(args: argparse.Namespace) -> URL:
         raise UsageError(
             "no database URL: pass --url dialect+driver://user@host/dbname or set DATABASE_URL"
         )
+    return _parsed_url(text, "database URL")
+
+
+def _parsed_url(text: str, what: str) -> URL:
+    """``text`` as a URL, ``what`` naming it in the errors."""
     try:
         url = make_url(text)
     except sa_exc.ArgumentError:
         raise UsageError(
-            "the database URL cannot be parsed: give dialect+driver://user:password@host/dbname"
+            f"the {what} cannot be parsed: give dialect+driver://user:password@host/dbname"
         ) from None
     if url.get_backend_name() == "sqlite" and url.host:
         # sqlite://app.db reads app.db as a host name, which SQLite has none of.
@@ -188,6 +194,38 @@ def _database(args: argparse.Namespace, **options: Any) -> Iterator[sa.Engine]:
         yield engine
     finally:
         engine.dispose()
+
+
+@contextmanager
+def _read_database(args: argparse.Namespace) -> Iterator[sa.Engine | None]:
+    """The engine of ``--read-url`` (a replica the read-only views read from), connected
+    once, disposed of at the end; None without one."""
+    if not getattr(args, "read_url", None):
+        yield None
+        return
+    engine = _engine(sync_url(_parsed_url(args.read_url, "--read-url")))
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+@contextmanager
+def _reading_database(args: argparse.Namespace) -> Iterator[sa.Engine]:
+    """The engine a read-only command reads with: ``--read-url``'s when given (the primary's
+    URL is then not needed), else the database's. With ``--read-url``, how far it lags is
+    said first (``read_lag``)."""
+    with _read_database(args) as read_engine:
+        if read_engine is not None:
+            yield read_engine
+            return
+    with _database(args) as engine:
+        yield engine
+
+
+def read_lag(args: argparse.Namespace, engine: sa.Engine) -> ReplicaLag | None:
+    """With ``--read-url``: how far its server lags (``replica_lag``); None without it."""
+    return replica_lag(engine) if getattr(args, "read_url", None) else None
 
 
 def _check_tables(engine: sa.Engine) -> None:
@@ -273,6 +311,14 @@ Argument = tuple[tuple[str, ...], dict[str, Any]]
 
 def arg(*names: str, **options: Any) -> Argument:
     return names, options
+
+
+#: ``--read-url`` of the read-only views.
+READ_URL = arg(
+    "--read-url",
+    metavar="URL",
+    help="read from this database, e.g. a replica, instead of --url (and say how far it lags)",
+)
 
 
 @dataclass(frozen=True)

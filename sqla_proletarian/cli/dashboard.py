@@ -7,7 +7,16 @@ import signal
 import threading
 from typing import Any
 
-from sqla_proletarian.cli.common import PROG, Command, _check_tables, _database, _error, arg
+from sqla_proletarian.cli.common import (
+    PROG,
+    READ_URL,
+    Command,
+    _check_tables,
+    _database,
+    _error,
+    _read_database,
+    arg,
+)
 from sqla_proletarian.errors import ProletarianError
 from sqla_proletarian.supervisor import EXIT_OK
 
@@ -16,9 +25,9 @@ def dashboard(args: argparse.Namespace) -> int:
     from sqla_proletarian.dashboard import create_dashboard
     from sqla_proletarian.dashboard.server import create_server, server_url
 
-    with _database(args) as engine:
+    with _database(args) as engine, _read_database(args) as read_engine:
         _check_tables(engine)
-        app = create_dashboard(engine, read_only=args.read_only)
+        app = create_dashboard(engine, read_only=args.read_only, read_engine=read_engine)
         try:
             server = create_server(app, args.host, args.port)
         except OSError as exc:
@@ -28,6 +37,7 @@ def dashboard(args: argparse.Namespace) -> int:
             ) from None
         with server:
             mode = " (read-only)" if args.read_only else ""
+            mode += " reading from --read-url" if read_engine is not None else ""
             print(f"dashboard at {server_url(server)}{mode}; Ctrl-C stops it", flush=True)
             if args.host not in ("127.0.0.1", "localhost", "::1"):
                 _error(
@@ -60,6 +70,7 @@ DASHBOARD_ARGUMENTS = (
     arg("--host", default="127.0.0.1", help="the address to listen on (127.0.0.1: this machine)"),
     arg("--port", type=int, default=8080, help="the port (8080; 0: any free one)"),
     arg("--read-only", action="store_true", help="show the queues, offer no action"),
+    READ_URL,
 )
 
 

@@ -9,20 +9,23 @@ import sys
 import uuid
 from dataclasses import asdict
 from datetime import datetime
-from typing import Any
+from typing import Any, TextIO
 
 from sqla_proletarian.cli.common import (
     PROG,
+    READ_URL,
     Command,
     UsageError,
     _cell,
     _database,
     _iso,
+    _reading_database,
     _table,
     _uuids,
     arg,
     limits_table,
     parse_duration,
+    read_lag,
     warn_if_unknown_queue,
 )
 from sqla_proletarian.errors import ConfigurationError
@@ -36,12 +39,14 @@ from sqla_proletarian.inspection import (
     queue_status,
 )
 from sqla_proletarian.maintenance import prune_archive, retry_failed_report
+from sqla_proletarian.replicas import ReplicaLag
 from sqla_proletarian.supervisor import EXIT_OK
 
 
 def status(args: argparse.Namespace) -> int:
-    with _database(args) as engine:
+    with _reading_database(args) as engine:
         queues = queue_status(engine)
+        lag = read_lag(args, engine)
     if args.json:
         rows = [
             {**asdict(queue), "limits": queue.limits.as_dict() if queue.limits else None}
@@ -50,8 +55,9 @@ def status(args: argparse.Namespace) -> int:
         for row in rows:
             if row["oldest_ready_age_s"] is not None:
                 row["oldest_ready_age_s"] = round(row["oldest_ready_age_s"], 3)
-        print(json.dumps({"queues": rows}))
+        print(json.dumps({"queues": rows, **_lag_field(lag)}))
         return EXIT_OK
+    _print_lag(lag)
     if not queues:
         print("no jobs queued, and none finished in the last hour")
         return EXIT_OK
@@ -104,7 +110,7 @@ def status(args: argparse.Namespace) -> int:
 
 def jobs(args: argparse.Namespace) -> int:
     states = (args.state,) if args.state is not None else QUEUED_STATES
-    with _database(args) as engine:
+    with _reading_database(args) as engine:
         warn_if_unknown_queue(engine, "jobs", args.queue)
         try:
             found = [
@@ -116,9 +122,13 @@ def jobs(args: argparse.Namespace) -> int:
             ][: args.limit]
         except ConfigurationError as exc:
             raise UsageError(str(exc)) from None
+        lag = read_lag(args, engine)
     if args.json:
+        # A list of jobs has no room for the lag: it goes to standard error.
+        _print_lag(lag, file=sys.stderr)
         print(json.dumps([_jsonable(asdict(job)) for job in found]))
         return EXIT_OK
+    _print_lag(lag)
     if not found:
         print(f"no {args.state or 'queued'} jobs")
         return EXIT_OK
@@ -156,9 +166,10 @@ def _json_value(value: Any) -> Any:
 
 
 def failed(args: argparse.Namespace) -> int:
-    with _database(args) as engine:
+    with _reading_database(args) as engine:
         warn_if_unknown_queue(engine, "failed", args.queue)
         jobs = failed_jobs(engine, queue=args.queue, job_type=args.job_type, limit=args.limit)
+        lag = read_lag(args, engine)
     if args.json:
         rows = [
             {
@@ -168,8 +179,9 @@ def failed(args: argparse.Namespace) -> int:
             }
             for job in jobs
         ]
-        print(json.dumps({"failed": rows}))
+        print(json.dumps({"failed": rows, **_lag_field(lag)}))
         return EXIT_OK
+    _print_lag(lag)
     if not jobs:
         print("no failed jobs in the archive")
         return EXIT_OK
@@ -194,6 +206,17 @@ def failed(args: argparse.Namespace) -> int:
 
 
 _TIMES = ("enqueued_at", "process_at", "finished_at")
+
+
+def _print_lag(lag: ReplicaLag | None, file: TextIO = sys.stdout) -> None:
+    """The line above a view read from ``--read-url``: how far its server lags."""
+    if lag is not None:
+        print(lag.describe(), file=file)
+
+
+def _lag_field(lag: ReplicaLag | None) -> dict[str, Any]:
+    """``replica_lag`` of a JSON object read from ``--read-url``; nothing without it."""
+    return {"replica_lag": lag.as_dict()} if lag is not None else {}
 
 
 def retry(args: argparse.Namespace) -> int:
@@ -224,7 +247,12 @@ FAILED_ARGUMENTS = (
     arg(
         "--limit", type=int, default=DEFAULT_FAILED_LIMIT, help=f"at most ({DEFAULT_FAILED_LIMIT})"
     ),
-    arg("--json", action="store_true", help='one object: {"failed": [...]}'),
+    arg(
+        "--json",
+        action="store_true",
+        help='one object: {"failed": [...]}, and "replica_lag" with --read-url',
+    ),
+    READ_URL,
 )
 JOBS_ARGUMENTS = (
     arg("--queue", help="only this queue"),
@@ -245,8 +273,10 @@ JOBS_ARGUMENTS = (
         "--json",
         action="store_true",
         help="a JSON list of jobs: job_id, queue, job_type, state, attempts, enqueued_at, "
-        "..., depends_on, dependents, progress, progress_message",
+        "..., depends_on, dependents, progress, progress_message (with --read-url, the lag "
+        "goes to standard error)",
     ),
+    READ_URL,
 )
 RETRY_ARGUMENTS = (
     arg("job_ids", metavar="JOB_ID", nargs="*", help="archived failures"),
@@ -264,7 +294,14 @@ STATUS = Command(
     "status",
     "per queue: ready, scheduled, running, oldest ready, finished in the last hour; limits",
     f"{PROG} status --json",
-    (arg("--json", action="store_true", help='one object: {"queues": [...]}'),),
+    (
+        arg(
+            "--json",
+            action="store_true",
+            help='one object: {"queues": [...]}, and "replica_lag" with --read-url',
+        ),
+        READ_URL,
+    ),
     status,
 )
 

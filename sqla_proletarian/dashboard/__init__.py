@@ -32,6 +32,7 @@ def create_dashboard(
     title: str = DEFAULT_TITLE,
     secret: bytes | None = None,
     refresh_seconds: float = DEFAULT_REFRESH_SECONDS,
+    read_engine: Engine | None = None,
 ) -> Callable[..., Any]:
     """The dashboard of ``engine``'s queues, as a WSGI application.
 
@@ -40,11 +41,20 @@ def create_dashboard(
     host app's login check there. ``secret`` signs the CSRF tokens: give the same bytes to
     every process that serves the dashboard behind one address (default: random, per
     process). ``refresh_seconds``: how often the overview polls for new figures.
+
+    ``read_engine``: where the pages read from, e.g. a replica (default: ``engine``); the
+    actions still write through ``engine``, and every page says how far the replica lags
+    (``replica_lag``).
     """
     if not isinstance(engine, Engine):
         raise ConfigurationError(
             f"create_dashboard() needs a sqlalchemy Engine, not {type(engine).__name__}: it "
             "opens a short connection per request (pass e.g. session.get_bind())"
+        )
+    if read_engine is not None and not isinstance(read_engine, Engine):
+        raise ConfigurationError(
+            f"read_engine: give a sqlalchemy Engine on the database to read from (a "
+            f"replica), or None to read through engine; not {type(read_engine).__name__}"
         )
     if authorize is not None and not callable(authorize):
         raise ConfigurationError(
@@ -75,4 +85,5 @@ def create_dashboard(
         title=str(title),
         secret=secret,
         refresh_seconds=float(refresh_seconds),
+        read_engine=read_engine,
     )

@@ -27,6 +27,7 @@ from sqla_proletarian.dashboard.web import (
 )
 from sqla_proletarian.errors import ProletarianError, polling_error_hint
 from sqla_proletarian.logs import logger
+from sqla_proletarian.replicas import replica_lag
 
 Authorize = Callable[[dict[str, Any]], bool]
 View = Callable[..., Response]
@@ -54,8 +55,13 @@ class Dashboard:
         title: str,
         secret: bytes | None,
         refresh_seconds: float,
+        read_engine: Engine | None = None,
     ) -> None:
+        #: Where the actions write; the pages read through ``read_engine``, this one unless
+        #: given another (a replica).
         self.engine = engine
+        self.read_engine = read_engine if read_engine is not None else engine
+        self.reads_replica = read_engine is not None
         self.read_only = read_only
         self.authorize = authorize
         self.title = title
@@ -122,11 +128,19 @@ class Dashboard:
             raise HTTPError(HTTPStatus.METHOD_NOT_ALLOWED, f"{request.method} is not allowed here")
         raise HTTPError(HTTPStatus.NOT_FOUND, "there is no such page in this dashboard")
 
+    def replica_lag(self) -> dict[str, Any] | None:
+        """How far the read engine's server lags, as the pages show it; None when the pages
+        read through ``engine`` itself."""
+        return replica_lag(self.read_engine).as_dict() if self.reads_replica else None
+
     def render(
         self, request: Request, template: str, code: HTTPStatus = HTTPStatus.OK, **context: Any
     ) -> Response:
-        """A page from a template, with what every page needs, and the CSRF cookie when the
-        browser has none yet."""
+        """A page from a template, with what every page needs (the replica's lag included,
+        unless the view read it already), and the CSRF cookie when the browser has none
+        yet."""
+        if "replica_lag" not in context:
+            context["replica_lag"] = self.replica_lag()
         nonce, new = self.csrf.nonce(request)
         page = self.templates.get_template(template).render(
             title=self.title,

@@ -62,7 +62,11 @@ NOTICES = {
 def overview(dash: Dashboard, request: Request) -> Response:
     data = overview_data(dash)
     return dash.render(
-        request, "overview.html", data=data, refresh_ms=int(dash.refresh_seconds * 1000)
+        request,
+        "overview.html",
+        data=data,
+        refresh_ms=int(dash.refresh_seconds * 1000),
+        replica_lag=data.get("replica_lag"),
     )
 
 
@@ -72,11 +76,14 @@ def overview_json(dash: Dashboard, request: Request) -> Response:
 
 def overview_data(dash: Dashboard) -> dict[str, Any]:
     """Per queue: its counts, whether it is paused, its limits and the ready jobs waiting
-    under them, and what it archived minute by minute."""
+    under them, and what it archived minute by minute; read from a replica, how far it
+    lags (``replica_lag``)."""
     now = sp.utc_now()
-    statuses = sp.queue_status(dash.engine, clock=lambda: now)
-    finished = sp.finished_per_minute(dash.engine, minutes=CHART_MINUTES, clock=lambda: now)
-    paused = actions.paused(dash.engine)
+    reads = dash.read_engine
+    statuses = sp.queue_status(reads, clock=lambda: now)
+    finished = sp.finished_per_minute(reads, minutes=CHART_MINUTES, clock=lambda: now)
+    paused = actions.paused(reads)
+    lag = dash.replica_lag()
     first = now.replace(second=0, microsecond=0) - timedelta(minutes=CHART_MINUTES - 1)
     minutes = [first + timedelta(minutes=index) for index in range(CHART_MINUTES)]
     charts: dict[str, dict[str, list[int]]] = {}
@@ -107,6 +114,7 @@ def overview_data(dash: Dashboard) -> dict[str, Any]:
         "updated": now.strftime("%H:%M:%S UTC"),
         "minutes": [int(minute.timestamp()) for minute in minutes],
         "queues": queues,
+        **({"replica_lag": lag} if lag is not None else {}),
     }
 
 
@@ -114,7 +122,7 @@ def jobs(dash: Dashboard, request: Request) -> Response:
     state = request.arg("state") or "ready"
     queue, job_type, after = request.arg("queue"), request.arg("job_type"), request.arg("after")
     page = sp.list_jobs(
-        dash.engine, state, queue=queue, job_type=job_type, after=after, limit=PAGE_SIZE
+        dash.read_engine, state, queue=queue, job_type=job_type, after=after, limit=PAGE_SIZE
     )
     first = request.url("/jobs", state=state, queue=queue, job_type=job_type)
     later = (
@@ -136,7 +144,7 @@ def jobs(dash: Dashboard, request: Request) -> Response:
 
 
 def job(dash: Dashboard, request: Request, job_id: str) -> Response:
-    found = sp.get_job(dash.engine, job_id)
+    found = sp.get_job(dash.read_engine, job_id)
     if found is None:
         raise HTTPError(
             HTTPStatus.NOT_FOUND,
@@ -158,7 +166,7 @@ def _graph(dash: Dashboard, job: sp.JobDetail) -> dict[str, Any]:
     for side in ("depends_on", "dependents"):
         ids = getattr(job, side)
         graph[side] = [
-            {"job_id": job_id, "job": sp.get_job(dash.engine, job_id)}
+            {"job_id": job_id, "job": sp.get_job(dash.read_engine, job_id)}
             for job_id in ids[:GRAPH_NODES]
         ]
         graph[f"{side}_more"] = max(0, len(ids) - GRAPH_NODES)
@@ -283,7 +291,8 @@ def _plan_cancel(dash: Dashboard, request: Request) -> Plan:
 
     def perform() -> tuple[str, int, str]:
         done = actions.cancel(dash.engine, job_id)
-        # A job under a live lease stays queued, running, until its worker stops it.
+        # A job under a live lease stays queued, running, until its worker stops it. Read
+        # where the cancel wrote: a replica may not have it yet.
         still = sp.get_job(dash.engine, job_id) if done else None
         requested = still is not None and still.state == "running"
         notice = "cancel-requested" if requested else "cancelled" if done else "not-cancelled"

@@ -372,3 +372,50 @@ def probe_tables() -> list[Statement]:
     when a table or a column is missing (tables never installed, or not upgraded)."""
     tables = (JOB, ARCHIVE, RUN, PAUSED, HISTORY)
     return [(select(table).where(false()), {}) for table in tables]
+
+
+# --- replication: how far the server a view reads from lags (replicas.replica_lag) ---------
+
+_IN_RECOVERY = select(func.pg_is_in_recovery().label("standby"))
+_RECEIVED = func.pg_last_wal_receive_lsn()
+_REPLAYED = func.pg_last_wal_replay_lsn()
+_STANDBY_LAG = select(
+    func.greatest(func.pg_wal_lsn_diff(_RECEIVED, _REPLAYED), 0).label("bytes"),
+    # The last replayed commit's age is the lag only while WAL waits to be replayed: a
+    # standby that has replayed all it received is current, however idle the primary is.
+    case(
+        (_RECEIVED == _REPLAYED, literal(0.0)),
+        else_=func.extract("epoch", func.now() - func.pg_last_xact_replay_timestamp()),
+    ).label("seconds"),
+)
+_WSREP_ON = text("SHOW VARIABLES LIKE 'wsrep_on'")
+_WSREP_RECV_QUEUE = text("SHOW STATUS LIKE 'wsrep_local_recv_queue'")
+_REPLICA_STATUS = text("SHOW REPLICA STATUS")
+_SLAVE_STATUS = text("SHOW SLAVE STATUS")
+
+
+def in_recovery() -> Statement:
+    """PostgreSQL: whether the server is a standby (``pg_is_in_recovery()``)."""
+    return _IN_RECOVERY, {}
+
+
+def standby_lag() -> Statement:
+    """PostgreSQL standby: the bytes of WAL received and not replayed yet, and the seconds
+    since the last replayed commit while some wait (0 when all is replayed)."""
+    return _STANDBY_LAG, {}
+
+
+def wsrep_on() -> Statement:
+    """MySQL/MariaDB: the ``wsrep_on`` variable, ON on a Galera node (no row elsewhere)."""
+    return _WSREP_ON, {}
+
+
+def wsrep_recv_queue() -> Statement:
+    """Galera: the write sets this node received and has not applied yet."""
+    return _WSREP_RECV_QUEUE, {}
+
+
+def replica_status(older: bool = False) -> Statement:
+    """MySQL/MariaDB: the replica's status, no row on a server that replicates from none;
+    ``older``: the spelling of servers before MariaDB 10.5 and MySQL 8.0.22."""
+    return (_SLAVE_STATUS if older else _REPLICA_STATUS), {}

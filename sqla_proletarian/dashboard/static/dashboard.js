@@ -91,6 +91,8 @@
     empty.hidden = data.queues.length > 0;
     stamp.textContent = data.updated;
     stamp.setAttribute("datetime", data.generated_at);
+    var lag = document.getElementById("replica-lag");
+    if (lag && data.replica_lag) lag.textContent = data.replica_lag.text;
   }
 
   function refresh() {
