@@ -33,7 +33,7 @@ source "$$SP_TESTDB_DIR/env"; \
 $(1)
 endef
 
-.PHONY: venv lint docs dist publish test test-pg18 test-sqla-oldest faults soak quickstart bench bench-quick bench-batches bench-leases bench-profile bench-statements \
+.PHONY: venv lint docs dist publish test test-pg18 test-clusters test-sqla-oldest faults soak quickstart bench bench-quick bench-batches bench-leases bench-profile bench-statements \
 	examples.db.install examples.db.uninstall examples.db.recreate clean
 
 venv: $(STAMP)
@@ -82,6 +82,13 @@ publish: dist
 PARALLEL ?= 4
 SERIAL_TESTS := tests/faults tests/integration/test_database_restart.py
 
+# Against servers of their own, which scripts/clusters.sh starts beside the command and stops
+# after it: failover to a promoted standby and reads from a replica (a PostgreSQL primary with
+# a synchronous standby), and a three-node MariaDB Galera cluster. One at a time: they stop,
+# promote and kill those servers.
+CLUSTER_TESTS := tests/failover tests/replica tests/galera
+CLUSTER_RUN = bash scripts/clusters.sh $(VENV)/bin/pytest $(CLUSTER_TESTS) -q
+
 # The whole suite; then the worker's conformance tests again through psycopg2 (the suite's
 # default is psycopg 3, what a plain postgresql:// URL uses on SQLAlchemy 2.1), the worker's core suites on PostgreSQL 18, and a subset on the
 # oldest SQLAlchemy claimed.
@@ -109,12 +116,17 @@ PG18_RUN = if [ -n "$${SP_TEST_POSTGRESQL18_URL:-}" ]; then \
 # missing (as root); without them the browser tests skip, and fail under CI.
 test: venv lint docs dist $(VENV_SQLA_OLDEST)/.installed.stamp
 	-bash scripts/browser.sh
-	$(call with_testdb,$(VENV)/bin/pytest tests -q -n $(PARALLEL) $(SERIAL_TESTS:%=--ignore=%) && \
+	$(call with_testdb,$(VENV)/bin/pytest tests -q -n $(PARALLEL) \
+			$(SERIAL_TESTS:%=--ignore=%) $(CLUSTER_TESTS:%=--ignore=%) && \
 		$(VENV)/bin/pytest $(SERIAL_TESTS) -q && \
+		$(CLUSTER_RUN) && \
 		SP_TEST_BACKENDS=postgresql SP_TEST_POSTGRESQL_DRIVER=psycopg2 \
 		$(VENV)/bin/pytest $(PSYCOPG2_TESTS) -q -n $(PARALLEL) && \
 		$(PG18_RUN) && \
 		$(SQLA_OLDEST_RUN))
+
+test-clusters: venv
+	$(CLUSTER_RUN)
 
 test-pg18: venv
 	$(call with_testdb,$(PG18_RUN))
