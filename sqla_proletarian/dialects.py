@@ -61,6 +61,14 @@ GALERA_TRANSACTION_MODE = (
     "--lease-seconds), whose claim commits before any handler runs"
 )
 
+#: Why rate limits are refused on a Galera cluster (``check_rate_limits``).
+GALERA_RATE_LIMITS = (
+    "rate limits cannot be kept on a MariaDB Galera cluster (wsrep_on=ON): a window's starts "
+    "are counted under a row lock that holds on one node only, so workers on different nodes "
+    "would start more jobs than the limit. Use max_running or max_running_per_key (kept "
+    "across nodes), or send every worker of the queue to one node"
+)
+
 
 @dataclass(frozen=True)
 class Dialect:
@@ -294,12 +302,17 @@ GENERIC = Dialect(
 
 def is_galera(conn: Connection) -> bool:
     """Whether ``conn``'s MySQL or MariaDB server is a node of a Galera cluster: wsrep
-    replication on, with a provider. Its transaction is ended."""
+    replication on, with a provider (one read, in the connection's transaction)."""
     settings = {name.lower(): str(value) for name, value in conn.exec_driver_sql(WSREP_SETTINGS)}
-    conn.rollback()
     return settings.get("wsrep_on", "").upper() in ("ON", "1") and settings.get(
         "wsrep_provider", "none"
     ).lower() not in ("", "none")
+
+
+def check_rate_limits(conn: Connection) -> None:
+    """Refuse rate limits on a node of a Galera cluster (see ``GALERA_RATE_LIMITS``)."""
+    if dialect_of(conn).owner_lock == "named" and is_galera(conn):
+        raise ConfigurationError(GALERA_RATE_LIMITS)
 
 
 def dialect_of(engine: Engine | Connection) -> Dialect:
