@@ -260,3 +260,20 @@ def workers_on_each_node(
     finally:
         for worker in workers:
             worker.stop()
+
+
+#: Report lines of the fault tests, printed at the end of the run with SP_FAULT_REPORT=1
+#: (each test prints its own, seen with -s).
+REPORT: list[str] = []
+
+
+def report(line: str) -> None:
+    print(line)
+    REPORT.append(line)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if REPORT and os.environ.get("SP_FAULT_REPORT") == "1":
+        terminalreporter.write_sep("=", "galera fault report")
+        for line in REPORT:
+            terminalreporter.write_line(line)
