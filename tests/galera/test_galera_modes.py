@@ -145,3 +145,48 @@ def test_jobs_enqueued_on_one_node_are_claimed_by_workers_on_the_others(
     ):
         assert wait_for(lambda: queued(engines[0]) == 0, timeout=30)
     assert sorted(noted.counts()) == sorted(job_ids)
+
+
+def test_an_asyncio_lease_drain_from_three_nodes_runs_every_handler_once(
+    cluster: Cluster, records: Records
+) -> None:
+    """The asyncio worker's claims race the same way (one worker per node, aiomysql)."""
+    engines = cluster.engines()
+    job_ids = enqueue_round_robin(engines, 240)
+    noted = Noted()
+
+    async def drain() -> None:
+        async_engines = [
+            create_async_engine(url.set(drivername="mysql+aiomysql"), pool_size=8)
+            for url in cluster.urls
+        ]
+        workers = [
+            sp.create_async_queue_worker(
+                engine,
+                noted.handler(node),
+                handler_mode="advanced",
+                lease_seconds=30,
+                polling_interval=0.05,
+                concurrency=3,
+                batch_size=2,
+                worker_id=f"node{node}",
+            )
+            for node, engine in enumerate(async_engines)
+        ]
+        try:
+            for worker in workers:
+                await worker.start()
+            deadline = asyncio.get_running_loop().time() + 60
+            while queued(engines[0]) and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.1)
+        finally:
+            for worker in workers:
+                await worker.stop()
+            for engine in async_engines:
+                await engine.dispose()
+
+    asyncio.run(drain())
+    counts = noted.counts()
+    assert set(counts) == set(job_ids)
+    assert [job_id for job_id, runs in counts.items() if runs > 1] == []
+    assert records.at_least(logging.ERROR) == []
