@@ -122,7 +122,7 @@ node_launch() {
     provider_options+=";gmcast.listen_addr=tcp://127.0.0.1:$gport"
     provider_options+=";ist.recv_addr=127.0.0.1:$((port + 1100))"
     provider_options+=";evs.keepalive_period=PT0.5S;evs.inactive_check_period=PT0.5S"
-    provider_options+=";evs.suspect_timeout=PT2S;evs.inactive_timeout=PT3S"
+    provider_options+=";evs.suspect_timeout=PT2S;evs.inactive_timeout=PT5S"
     provider_options+=";evs.install_timeout=PT3S;gcache.size=128M;pc.recovery=false"
     (cd "$STATE" && exec setsid "$(my_prog mariadbd)" --no-defaults "${user_opt[@]}" \
         --datadir="$dir/data" --socket="$dir/mysqld.sock" --pid-file="$dir/mysqld.pid" \
@@ -155,6 +155,34 @@ wait_synced() {
     done
     tail -n 40 "$(node_dir "$n")/server.log" >&2 || true
     die "node $n (port $(node_port "$n")) did not become synced"
+}
+
+primary() { [[ $(wsrep_var "$1" wsrep_cluster_status) == Primary ]]; }
+
+# Before a node starts again: the running nodes have dropped its old self from the group
+# (their cluster size counts only them) and form the primary component. A node that joined
+# while the others still wait for its killed self can leave them split up, non-primary.
+# Running nodes stuck without a primary component (all others died at once) are made one
+# again: pc.bootstrap on the first.
+wait_group_settled() {
+    local up=() n i size ok
+    for n in 1 2 3; do running "$n" && up+=("$n"); done
+    ((${#up[@]})) || return 0
+    for ((i = 0; i < 300; i++)); do   # up to 30 s
+        ok=1
+        for n in "${up[@]}"; do
+            size=$(wsrep_var "$n" wsrep_cluster_size)
+            if ! primary "$n" || [[ $size != "${#up[@]}" ]]; then ok=0; break; fi
+        done
+        ((ok)) && return 0
+        # Still no primary component after 10 s: make one of the first running node.
+        if ((i == 100)) && ! primary "${up[0]}"; then
+            log "no primary component; bootstrapping it on node ${up[0]}"
+            sql "${up[0]}" "SET GLOBAL wsrep_provider_options='pc.bootstrap=YES'" || true
+        fi
+        sleep 0.1
+    done
+    log "the running nodes (${up[*]}) did not settle into one primary component"
 }
 
 # A bootstrap from an existing data directory needs it marked safe (throw-away data).
@@ -232,6 +260,7 @@ bring_up() {
     fi
     for n in 1 2 3; do
         running "$n" && continue
+        wait_group_settled
         node_launch "$n"
         wait_synced "$n"
     done
@@ -269,6 +298,7 @@ cmd_restart() {
     [[ -f $ENV_FILE ]] || die "not started (no $ENV_FILE); run '$0 start' first"
     node_stop "$1" TERM
     if [[ -z $(running_nodes) ]]; then bring_up; return 0; fi
+    wait_group_settled
     node_launch "$1"
     wait_synced "$1"
 }
