@@ -39,10 +39,12 @@ from sqla_proletarian.errors import (
     JobTimeoutError,
     Snooze,
     connection_loss_hint,
+    driver_error,
     idle_limit_hit,
     idle_transaction_limit,
-    is_lock_conflict,
     is_transient,
+    mysql_errno,
+    sqlstate,
 )
 from sqla_proletarian.execution import JobRunner, poll_queues
 from sqla_proletarian.flow import too_late
@@ -66,14 +68,24 @@ GIVE_BACK_PAUSE = 0.5
 #: Seconds close() waits at least for a timed-out job's outcome to be written.
 OUTCOME_WAIT = 10.0
 #: How many times in a row a claim, a heartbeat or a grouped completion is made when its
-#: transaction loses a lock conflict, and the longest pause between two tries (the first is
-#: at once, the next after ``CONFLICT_PAUSE`` doubled, with jitter; see
+#: transaction loses a race with another (``lost_race``), and the longest pause between two
+#: tries (the first is at once, the next after ``CONFLICT_PAUSE`` doubled, with jitter; see
 #: ``LeaseRunner._again_when_lost``): about a second in all.
 CONFLICT_TRIES = 10
 CONFLICT_PAUSE = 0.005
 MAX_CONFLICT_PAUSE = 0.2
 
 T = TypeVar("T")
+
+
+def lost_race(exc: BaseException) -> bool:
+    """Whether a transaction was rolled back whole by a conflict with another one, so the
+    same work can be made again at once: a deadlock (on a Galera cluster also a failed
+    certification, or an abort by another node's write: error 1213 both) or a serialization
+    failure. Not a lock wait timeout: that lock is still held, and the poller's backoff
+    waits for it."""
+    orig = driver_error(exc)
+    return orig is not None and (sqlstate(orig) in ("40001", "40P01") or mysql_errno(orig) == 1213)
 
 
 class LeaseSession(JobSession):
@@ -595,7 +607,7 @@ class LeaseRunner(RunnerBase):
         return runs
 
     def _again_when_lost(self, what: str, work: Callable[[], T]) -> T:
-        """``work`` (one transaction), made again while it loses a lock conflict: a
+        """``work`` (one transaction), made again while it loses a race (``lost_race``): a
         deadlock, or on a Galera cluster its certification, or its abort by a transaction of
         another node that wrote the same rows first (``claim``: another node's claim took
         the job; a busy cluster aborts completions and heartbeats too). A lost transaction
@@ -607,7 +619,7 @@ class LeaseRunner(RunnerBase):
             try:
                 return work()
             except Exception as exc:
-                if not tries_left or not is_lock_conflict(exc):
+                if not tries_left or not lost_race(exc):
                     raise
                 log_event(
                     logging.DEBUG,
