@@ -70,8 +70,8 @@ OUTCOME_WAIT = 10.0
 #: How many times in a row a claim, a heartbeat or a grouped completion is made when its
 #: transaction loses a race with another (``lost_race``), and the longest pause between two
 #: tries (the first is at once, the next after ``CONFLICT_PAUSE`` doubled, with jitter; see
-#: ``LeaseRunner._again_when_lost``): about a second in all.
-CONFLICT_TRIES = 10
+#: ``LeaseRunner._again_when_lost``): about two seconds in all.
+CONFLICT_TRIES = 16
 CONFLICT_PAUSE = 0.005
 MAX_CONFLICT_PAUSE = 0.2
 
