@@ -1113,10 +1113,17 @@ class LeaseRunner(RunnerBase):
                 "the server ended it; the run counts as an unclean end (max_unclean_ends). "
                 "Use job.session at the end of the job, or raise the limit"
             )
+        elif lost_race(exc):
+            hint = (
+                "the job's transaction lost a race with another one (a deadlock; on a Galera "
+                "cluster, a write of another node to the same rows or the same queue): nothing "
+                "of the run was committed, and the job runs again, uncharged"
+            )
         else:
             hint = connection_loss_hint(exc)
         fields = self._fields(run.job)
-        log_event(logging.ERROR, "job-connection-lost", **fields, error=repr(exc), hint=hint)
+        level = logging.WARNING if lost_race(exc) and not charged else logging.ERROR
+        log_event(level, "job-connection-lost", **fields, error=repr(exc), hint=hint)
         session.release()
         self._give_back(run, charged=charged)
 

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, make_url
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 import sqla_proletarian as sp
 
@@ -146,6 +147,19 @@ class Noted:
     def counts(self) -> Counter[uuid.UUID]:
         with self.lock:
             return Counter(job_id for job_id, *_ in self.runs)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Done(Base):
+    """A row each handler writes through ``job.session``: it commits with the job's
+    completion only, so its rows count the completions that committed (archivings)."""
+
+    __tablename__ = "galera_done"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[uuid.UUID] = mapped_column(sa.Uuid())
 
 
 class Records(logging.Handler):

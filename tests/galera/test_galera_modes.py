@@ -9,11 +9,16 @@ import logging
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from conftest import (
+    Base,
     Cluster,
+    Done,
     Noted,
     Records,
     archived_rows,
@@ -187,4 +192,31 @@ def test_an_asyncio_lease_drain_from_three_nodes_runs_every_handler_once(
     counts = noted.counts()
     assert set(counts) == set(job_ids)
     assert [job_id for job_id, runs in counts.items() if runs > 1] == []
+    assert records.at_least(logging.ERROR) == []
+
+
+def test_handlers_writing_through_job_session_commit_their_writes_once_across_nodes(
+    cluster: Cluster, records: Records
+) -> None:
+    """A completion that holds the handler's writes cannot be made again: one that loses a
+    race with another node's write gives its job back, uncharged, to run again (a WARNING,
+    not an ERROR). Each job's writes commit once, with its one archiving."""
+    engines = cluster.engines(pool_size=8)
+    Base.metadata.create_all(engines[0])
+    job_ids = enqueue_round_robin(engines, 300)
+
+    def make_handler(node: int) -> Any:
+        def handle(job: Any) -> None:
+            job.session.add(Done(job_id=job.job_id))
+
+        return handle
+
+    with workers_on_each_node(engines, make_handler):
+        assert wait_for(lambda: queued(engines[0]) == 0, timeout=60), "the drain stalled"
+    with engines[2].connect() as conn:
+        done = Counter(conn.execute(sa.select(Done.job_id)).scalars())
+    assert done == Counter(job_ids)
+    rows = archived_rows(engines[1])
+    assert sorted(job_id for job_id, _, _ in rows) == sorted(job_ids)
+    assert {status for _, status, _ in rows} == {"success"}
     assert records.at_least(logging.ERROR) == []

@@ -12,7 +12,9 @@ from typing import Any
 
 import sqlalchemy as sa
 from conftest import (
+    Base,
     Cluster,
+    Done,
     archived_rows,
     enqueue_round_robin,
     galera_script,
@@ -21,22 +23,8 @@ from conftest import (
     wait_for,
     workers_on_each_node,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 JOBS = 2000
-
-
-class Base(DeclarativeBase):
-    pass
-
-
-class Done(Base):
-    """A row each handler writes through ``job.session``: it commits with the job's
-    completion only, so its rows count the completions that committed (archivings)."""
-
-    __tablename__ = "galera_done"
-    id: Mapped[int] = mapped_column(primary_key=True)
-    job_id: Mapped[uuid.UUID] = mapped_column(sa.Uuid())
 
 
 def test_a_drain_over_three_nodes_loses_nothing_and_archives_once_when_a_node_is_killed(
