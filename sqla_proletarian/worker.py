@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any, Literal
@@ -624,18 +625,24 @@ def _check_engine(engine: Engine) -> None:
         )
 
 
+#: Engines whose server was found to be no Galera node: asked once per engine (a
+#: process_next_job loop does not pay a round trip a call).
+_NO_CLUSTER: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
 def checked_mode(engine: Engine, lease_seconds: float | None) -> bool:
     """Refuse a mode the server cannot serve (``Dialect.check_worker_mode``: transaction
     mode on a Galera cluster); False when the server could not be asked (it is down): the
     worker asks again when it starts."""
     dialect = dialect_of(engine)
-    if lease_seconds is not None or dialect.owner_lock != "named":
+    if lease_seconds is not None or dialect.owner_lock != "named" or engine in _NO_CLUSTER:
         return True
     try:
         with engine.connect() as conn:
             dialect.check_worker_mode(conn, lease_seconds)
     except DBAPIError:
         return False
+    _NO_CLUSTER.add(engine)
     return True
 
 
