@@ -742,7 +742,8 @@ def create_queue_worker(
     polling interval, between jobs), ``lease_seconds`` (None: transaction mode, each
     handler runs inside the transaction that claimed its job; a number: lease mode, the
     claim commits a lease of that many seconds and the handler runs with no transaction
-    open, for long jobs; see docs/modes.md), ``heartbeat_interval`` (lease mode: seconds
+    open, for long jobs; see docs/modes.md; on a MariaDB Galera cluster transaction mode is
+    refused with ConfigurationError), ``heartbeat_interval`` (lease mode: seconds
     between renewals of the worker's leases, ``lease_seconds / 3``) and ``job_timeout``
     (lease mode: seconds after which a running job is failed with JobTimeoutError, retried
     per the retry strategy, and its handler asked to stop through ``job.cancel_requested``),
