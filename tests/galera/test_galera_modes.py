@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pymysql
 import pytest
 import sqlalchemy as sa
 from conftest import (
@@ -58,6 +59,25 @@ def test_transaction_mode_is_refused_at_worker_creation_naming_lease_seconds(
         sp.process_next_job(engine, noop, handler_mode="advanced")
     # Lease mode is accepted.
     sp.create_queue_worker(engine, noop, handler_mode="advanced", lease_seconds=30)
+
+
+def test_a_worker_made_while_its_node_is_unreachable_refuses_transaction_mode_at_start(
+    cluster: Cluster,
+) -> None:
+    """The server cannot be asked when the worker is made: it is asked again by start()."""
+    engine = cluster.engine(2)
+    down = True
+
+    @sa.event.listens_for(engine, "do_connect")
+    def refuse(*args: object) -> None:
+        if down:
+            raise pymysql.err.OperationalError(2003, "Can't connect to server (test)")
+
+    worker = sp.create_queue_worker(engine, noop, handler_mode="advanced")
+    down = False
+    with pytest.raises(sp.ConfigurationError, match="lease_seconds="):
+        worker.start()
+    assert not worker.running
 
 
 def test_the_asyncio_worker_refuses_transaction_mode_when_it_starts(cluster: Cluster) -> None:
