@@ -269,9 +269,10 @@ bring_up() {
 }
 
 cmd_start() {
-    local t0=$EPOCHREALTIME
+    local t0=${EPOCHREALTIME/[.,]/} tenths
     bring_up
-    log "three nodes on 127.0.0.1:${PORTS[*]} ($(printf '%.1f' "$(echo "$EPOCHREALTIME - $t0" | bc)") s); env in $ENV_FILE"
+    tenths=$(((${EPOCHREALTIME/[.,]/} - t0) / 100000))
+    log "three nodes on 127.0.0.1:${PORTS[*]} ($((tenths / 10)).$((tenths % 10)) s); env in $ENV_FILE"
 }
 
 cmd_ensure() {
