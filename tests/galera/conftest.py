@@ -97,9 +97,31 @@ class Cluster:
         """An engine on each node."""
         return [self.engine(node, **kwargs) for node in range(3)]
 
+    def create_all(self, metadata: sa.MetaData) -> None:
+        """Create ``metadata``'s tables on node 1, and wait until every node has them (the
+        other nodes apply the replicated DDL a moment later)."""
+        with self.engine(0, poolclass=sa.pool.NullPool).begin() as conn:
+            metadata.create_all(conn)
+        names = set(metadata.tables)
+        for node in range(3):
+            engine = self.engine(node, poolclass=sa.pool.NullPool)
+            assert wait_for(lambda engine=engine: names <= _tables(engine), timeout=30), node
+
     def dispose(self) -> None:
         for engine in self._engines:
             engine.dispose()
+
+
+def _tables(engine: sa.Engine) -> set[str]:
+    with engine.connect() as conn:
+        return set(
+            conn.execute(
+                sa.text(
+                    "SELECT table_name FROM information_schema.tables "
+                    "WHERE table_schema = DATABASE()"
+                )
+            ).scalars()
+        )
 
 
 @pytest.fixture
@@ -115,8 +137,7 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
     with admin.connect() as conn:
         conn.exec_driver_sql(f"CREATE DATABASE {name}")
     found = Cluster([url.set(database=name) for url in admin_urls])
-    engine = found.engine(0)
-    sp.metadata.create_all(engine)
+    found.create_all(sp.metadata)
     try:
         yield found
     finally:
@@ -228,15 +249,29 @@ def enqueue_round_robin(engines: list[sa.Engine], count: int, **kw: Any) -> list
     return ids
 
 
-def queued(engine: sa.Engine) -> int:
+@contextlib.contextmanager
+def causal(engine: sa.Engine) -> Iterator[sa.Connection]:
+    """A connection whose reads wait until its node has applied every write the cluster
+    committed before them (``wsrep_sync_wait``): a node applies other nodes' writes a
+    moment after their commit."""
     with engine.connect() as conn:
+        conn.exec_driver_sql("SET SESSION wsrep_sync_wait = 1")
+        try:
+            yield conn
+        finally:
+            conn.rollback()
+            conn.exec_driver_sql("SET SESSION wsrep_sync_wait = 0")
+
+
+def queued(engine: sa.Engine) -> int:
+    with causal(engine) as conn:
         return int(conn.execute(sa.select(sa.func.count()).select_from(sp.Job)).scalar_one())
 
 
 def archived_rows(engine: sa.Engine) -> list[Any]:
     """(job_id, status, attempts) of every archived job."""
     table = sp.ArchivedJob.__table__
-    with engine.connect() as conn:
+    with causal(engine) as conn:
         return list(conn.execute(sa.select(table.c.job_id, table.c.status, table.c.attempts)))
 
 

@@ -15,6 +15,7 @@ from conftest import (
     Cluster,
     Noted,
     archived_rows,
+    causal,
     committed,
     enqueue_round_robin,
     is_lock_conflict,
@@ -71,7 +72,7 @@ def test_enqueues_with_one_unique_key_on_two_nodes_at_once_add_one_job(
             lost += first_lost + second_lost
     assert lost >= 1, "no commit lost: the enqueues never raced"
     table = sp.Job.__table__
-    with engines[2].connect() as conn:
+    with causal(engines[2]) as conn:
         keys = conn.execute(
             sa.select(table.c.unique_key, sa.func.count()).group_by(table.c.unique_key)
         )
@@ -108,7 +109,7 @@ def test_max_running_per_key_holds_across_nodes(cluster: Cluster) -> None:
                 ),
             )
     keys: dict[uuid.UUID, str] = {}
-    with engines[0].connect() as conn:
+    with causal(engines[0]) as conn:
         table = sp.Job.__table__
         keys = dict(conn.execute(sa.select(table.c.job_id, table.c.concurrency_key)).all())
     noted = Noted()

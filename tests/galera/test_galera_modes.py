@@ -23,6 +23,7 @@ from conftest import (
     Noted,
     Records,
     archived_rows,
+    causal,
     enqueue_round_robin,
     queued,
     wait_for,
@@ -222,7 +223,7 @@ def test_handlers_writing_through_job_session_commit_their_writes_once_across_no
     race with another node's write gives its job back, uncharged, to run again (a WARNING,
     not an ERROR). Each job's writes commit once, with its one archiving."""
     engines = cluster.engines(pool_size=8)
-    Base.metadata.create_all(engines[0])
+    cluster.create_all(Base.metadata)
     job_ids = enqueue_round_robin(engines, 300)
 
     def make_handler(node: int) -> Any:
@@ -233,7 +234,7 @@ def test_handlers_writing_through_job_session_commit_their_writes_once_across_no
 
     with workers_on_each_node(engines, make_handler):
         assert wait_for(lambda: queued(engines[0]) == 0, timeout=60), "the drain stalled"
-    with engines[2].connect() as conn:
+    with causal(engines[2]) as conn:
         done = Counter(conn.execute(sa.select(Done.job_id)).scalars())
     assert done == Counter(job_ids)
     rows = archived_rows(engines[1])

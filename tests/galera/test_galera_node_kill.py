@@ -16,6 +16,7 @@ from conftest import (
     Cluster,
     Done,
     archived_rows,
+    causal,
     enqueue_round_robin,
     galera_script,
     queued,
@@ -31,7 +32,7 @@ def test_a_drain_over_three_nodes_loses_nothing_and_archives_once_when_a_node_is
     cluster: Cluster,
 ) -> None:
     engines = cluster.engines(pool_size=8, pool_pre_ping=True)
-    Base.metadata.create_all(engines[0])
+    cluster.create_all(Base.metadata)
     job_ids = enqueue_round_robin(engines, JOBS)
     runs: list[uuid.UUID] = []
     runs_lock = threading.Lock()
@@ -63,7 +64,7 @@ def test_a_drain_over_three_nodes_loses_nothing_and_archives_once_when_a_node_is
         if restart.ident is not None:
             restart.join(timeout=120)
     rows = archived_rows(engines[0])
-    with engines[0].connect() as conn:
+    with causal(engines[0]) as conn:
         done = Counter(conn.execute(sa.select(Done.job_id)).scalars())
     archived_ids = {job_id for job_id, _, _ in rows}
     lost = len(set(job_ids) - archived_ids)
