@@ -15,6 +15,7 @@ import logging
 import os
 import shlex
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -78,6 +79,20 @@ def galera_script(*args: str, timeout: float = 120) -> None:
         [script, *args], capture_output=True, text=True, timeout=timeout, check=False
     )
     assert done.returncode == 0, f"galera.sh {' '.join(args)}: {done.stderr[-2000:]}"
+
+
+def cli(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run the command line (``python -m sqla_proletarian``) in ``cwd``, with this
+    process's package and ``cwd`` on its path, to its end."""
+    return subprocess.run(
+        [sys.executable, "-m", "sqla_proletarian", *args],
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(cwd), *sys.path])},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 class Cluster:

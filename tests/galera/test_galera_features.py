@@ -7,6 +7,7 @@ import itertools
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from conftest import (
     Noted,
     archived_rows,
     causal,
+    cli,
     committed,
     enqueue_round_robin,
     is_lock_conflict,
@@ -158,3 +160,14 @@ def test_a_job_depending_on_jobs_run_on_other_nodes_runs_after_them(cluster: Clu
             assert runs[before][2] <= runs[after][1]
     assert {status for _, status, _ in archived_rows(engines[0])} == {"success"}
     assert len({node for node, _, _ in runs.values()}) > 1
+
+
+def test_the_limits_command_refuses_a_rate_on_galera_in_one_line(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    url = cluster.urls[0].render_as_string(hide_password=False)
+    done = cli(tmp_path, "limits", "set", "default", "--rate", "10/s", "--url", url)
+    assert done.returncode != 0, done.stdout
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "Galera" in done.stderr and "max_running" in done.stderr, done.stderr
+    assert sp.queue_limits(cluster.engine(0)) == {}

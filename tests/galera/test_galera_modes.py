@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -24,6 +21,7 @@ from conftest import (
     Records,
     archived_rows,
     causal,
+    cli,
     enqueue_round_robin,
     queued,
     wait_for,
@@ -103,24 +101,7 @@ def test_the_worker_command_refuses_transaction_mode_in_one_line(
 ) -> None:
     (tmp_path / "galera_tasks.py").write_text("def handler(job_type, payload):\n    pass\n")
     url = cluster.urls[0].render_as_string(hide_password=False)
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sqla_proletarian",
-            "worker",
-            "galera_tasks:handler",
-            "--burst",
-            "--url",
-            url,
-        ],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = cli(tmp_path, "worker", "galera_tasks:handler", "--burst", "--url", url)
     assert done.returncode != 0, done.stdout
     assert "Traceback" not in done.stderr, done.stderr
     assert "Galera" in done.stderr and "--lease-seconds" in done.stderr, done.stderr
