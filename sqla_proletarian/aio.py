@@ -70,7 +70,7 @@ from sqla_proletarian.values import (
     JobIdStrategy,
     utc_now,
 )
-from sqla_proletarian.worker import _check_pool, scheduler_for
+from sqla_proletarian.worker import _check_pool, checked_mode, scheduler_for
 from sqla_proletarian.workflows import OnDependencyFailure
 
 #: Tasks running jobs at the same time.
@@ -467,6 +467,8 @@ class AsyncQueueWorker:
             )
         if self._tasks:
             raise ConfigurationError(f"worker {self.worker_id} was started already")
+        # Refuses transaction mode on a Galera cluster (the engine is reached from the loop).
+        await greenlet_spawn(checked_mode, self._engine.sync_engine, self.options.lease_seconds)
         self._loop = asyncio.get_running_loop()
         wakeups.register(self._engine.sync_engine, self.options.queues, self)
         if not self.options.poll_only and wakeups.AsyncListener.supported(self._engine):

@@ -48,6 +48,27 @@ PriorityScan = Literal["recursive", "hops"]
 #: MariaDB's idle-transaction limits of the session (``Dialect.idle_timeout``).
 IDLE_LIMITS = "SELECT @@idle_transaction_timeout, @@idle_write_transaction_timeout"
 
+#: Whether a MySQL or MariaDB server replicates through wsrep, a Galera cluster's node: its
+#: ``wsrep_on`` and ``wsrep_provider`` (none on MySQL and on a MariaDB that is no node).
+WSREP_SETTINGS = "SHOW GLOBAL VARIABLES WHERE Variable_name IN ('wsrep_on', 'wsrep_provider')"
+
+#: Why transaction mode is refused on a Galera cluster (``Dialect.check_worker_mode``).
+GALERA_TRANSACTION_MODE = (
+    "this database is a node of a MariaDB Galera cluster (wsrep_on=ON), where transaction "
+    "mode cannot keep its promises: row locks and GET_LOCK hold on one node only, so workers "
+    "on two nodes can claim the same job, and a claim that loses the cluster's certification "
+    "at commit would run its handler twice. Use lease mode (lease_seconds=60, or the CLI's "
+    "--lease-seconds), whose claim commits before any handler runs"
+)
+
+#: Why rate limits are refused on a Galera cluster (``check_rate_limits``).
+GALERA_RATE_LIMITS = (
+    "rate limits cannot be kept on a MariaDB Galera cluster (wsrep_on=ON): a window's starts "
+    "are counted under a row lock that holds on one node only, so workers on different nodes "
+    "would start more jobs than the limit. Use max_running or max_running_per_key (kept "
+    "across nodes), or send every worker of the queue to one node"
+)
+
 
 @dataclass(frozen=True)
 class Dialect:
@@ -164,6 +185,11 @@ class Dialect:
         limits = [float(value) for value in row if value]
         return min(limits) if limits else None
 
+    def check_worker_mode(self, conn: Connection, lease_seconds: float | None) -> None:
+        """Refuse transaction mode on a node of a Galera cluster (see ``is_galera``)."""
+        if lease_seconds is None and self.owner_lock == "named" and is_galera(conn):
+            raise ConfigurationError(GALERA_TRANSACTION_MODE)
+
     def check_worker_engine(self, engine: Engine) -> None:
         """Refuse engines on which worker threads cannot have connections of their own."""
         if self.name != "sqlite":
@@ -272,6 +298,21 @@ GENERIC = Dialect(
     owner_lock="none",
     archive_upsert="none",
 )
+
+
+def is_galera(conn: Connection) -> bool:
+    """Whether ``conn``'s MySQL or MariaDB server is a node of a Galera cluster: wsrep
+    replication on, with a provider (one read, in the connection's transaction)."""
+    settings = {name.lower(): str(value) for name, value in conn.exec_driver_sql(WSREP_SETTINGS)}
+    return settings.get("wsrep_on", "").upper() in ("ON", "1") and settings.get(
+        "wsrep_provider", "none"
+    ).lower() not in ("", "none")
+
+
+def check_rate_limits(conn: Connection) -> None:
+    """Refuse rate limits on a node of a Galera cluster (see ``GALERA_RATE_LIMITS``)."""
+    if dialect_of(conn).owner_lock == "named" and is_galera(conn):
+        raise ConfigurationError(GALERA_RATE_LIMITS)
 
 
 def dialect_of(engine: Engine | Connection) -> Dialect:

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import random
 import threading
 import time
 import uuid
@@ -24,7 +25,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Literal, cast
+from typing import Any, Literal, TypeVar, cast
 
 from sqlalchemy import Connection, Engine, event
 from sqlalchemy.orm import Session
@@ -38,9 +39,12 @@ from sqla_proletarian.errors import (
     JobTimeoutError,
     Snooze,
     connection_loss_hint,
+    driver_error,
     idle_limit_hit,
     idle_transaction_limit,
     is_transient,
+    mysql_errno,
+    sqlstate,
 )
 from sqla_proletarian.execution import JobRunner, poll_queues
 from sqla_proletarian.flow import too_late
@@ -63,6 +67,25 @@ TIMEOUT_CHECK = 0.1
 GIVE_BACK_PAUSE = 0.5
 #: Seconds close() waits at least for a timed-out job's outcome to be written.
 OUTCOME_WAIT = 10.0
+#: How many times in a row a claim, a heartbeat or a grouped completion is made when its
+#: transaction loses a race with another (``lost_race``), and the longest pause between two
+#: tries (the first is at once, the next after ``CONFLICT_PAUSE`` doubled, with jitter; see
+#: ``LeaseRunner._again_when_lost``): about two seconds in all.
+CONFLICT_TRIES = 16
+CONFLICT_PAUSE = 0.005
+MAX_CONFLICT_PAUSE = 0.2
+
+T = TypeVar("T")
+
+
+def lost_race(exc: BaseException) -> bool:
+    """Whether a transaction was rolled back whole by a conflict with another one, so the
+    same work can be made again at once: a deadlock (on a Galera cluster also a failed
+    certification, or an abort by another node's write: error 1213 both) or a serialization
+    failure. Not a lock wait timeout: that lock is still held, and the poller's backoff
+    waits for it."""
+    orig = driver_error(exc)
+    return orig is not None and (sqlstate(orig) in ("40001", "40P01") or mysql_errno(orig) == 1213)
 
 
 class LeaseSession(JobSession):
@@ -377,7 +400,7 @@ class LeaseRunner(RunnerBase):
             if time.monotonic() >= self._next_beat:
                 self._next_beat = time.monotonic() + self.heartbeat_interval
                 try:
-                    self._beat()
+                    self._again_when_lost("heartbeat", self._beat)
                 except Exception as exc:
                     log_event(
                         logging.WARNING,
@@ -572,7 +595,9 @@ class LeaseRunner(RunnerBase):
                     queues = self._queues_to_poll(connections)
                     if not queues:
                         return []  # an idle thread keeps its connection
-                runs = self._claim(connections, limit, queues)
+                runs = self._again_when_lost(
+                    "claim", lambda: self._claim(connections, limit, queues)
+                )
             except BaseException:
                 connections.release()
                 raise
@@ -580,6 +605,33 @@ class LeaseRunner(RunnerBase):
                 # No connection is held while handlers run; an idle thread keeps its own.
                 connections.release()
         return runs
+
+    def _again_when_lost(self, what: str, work: Callable[[], T]) -> T:
+        """``work`` (one transaction), made again while it loses a race (``lost_race``): a
+        deadlock, or on a Galera cluster its certification, or its abort by a transaction of
+        another node that wrote the same rows first (``claim``: another node's claim took
+        the job; a busy cluster aborts completions and heartbeats too). A lost transaction
+        committed nothing, so no job is charged and no outcome is written twice (a
+        completion is fenced by its runs' tokens); the ``CONFLICT_TRIES``-th conflict in a
+        row is raised as any error of ``work``. Quiet: each loss is a DEBUG event."""
+        pause = 0.0
+        for tries_left in range(CONFLICT_TRIES - 1, -1, -1):
+            try:
+                return work()
+            except Exception as exc:
+                if not tries_left or not lost_race(exc):
+                    raise
+                log_event(
+                    logging.DEBUG,
+                    f"{what}-conflict",
+                    worker_id=self.settings.worker_id,
+                    error=repr(exc),
+                    hint="nothing was written; made again",
+                )
+            if pause:
+                self._sleep(pause * random.uniform(0.5, 1.5))
+            pause = min(MAX_CONFLICT_PAUSE, max(CONFLICT_PAUSE, pause * 2))
+        raise AssertionError("unreachable")
 
     def _queues_to_poll(self, connections: LeaseConnections) -> tuple[str, ...]:
         """The queues the claim polls (``QueueEnds.to_poll``), their ends kept for the
@@ -790,7 +842,7 @@ class LeaseRunner(RunnerBase):
         try:
             for last in (False, True):
                 try:
-                    ended = self._end_together(runs)
+                    ended = self._again_when_lost("completion", lambda: self._end_together(runs))
                     break
                 except Exception as exc:
                     if not last:
@@ -1061,10 +1113,17 @@ class LeaseRunner(RunnerBase):
                 "the server ended it; the run counts as an unclean end (max_unclean_ends). "
                 "Use job.session at the end of the job, or raise the limit"
             )
+        elif lost_race(exc):
+            hint = (
+                "the job's transaction lost a race with another one (a deadlock; on a Galera "
+                "cluster, a write of another node to the same rows or the same queue): nothing "
+                "of the run was committed, and the job runs again, uncharged"
+            )
         else:
             hint = connection_loss_hint(exc)
         fields = self._fields(run.job)
-        log_event(logging.ERROR, "job-connection-lost", **fields, error=repr(exc), hint=hint)
+        level = logging.WARNING if lost_race(exc) and not charged else logging.ERROR
+        log_event(level, "job-connection-lost", **fields, error=repr(exc), hint=hint)
         session.release()
         self._give_back(run, charged=charged)
 

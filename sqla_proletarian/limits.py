@@ -11,6 +11,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, delete, func, insert, select
 from sqlalchemy.orm import Session, scoped_session
 
+from sqla_proletarian.dialects import check_rate_limits
 from sqla_proletarian.enqueue import Transaction, _connection_of
 from sqla_proletarian.errors import ConfigurationError, NotATransactionError
 from sqla_proletarian.statements.base import LIMITS, SLOTS
@@ -146,7 +147,8 @@ def set_queue_limits(
     process; ``max_running_per_key``: at most N of each ``concurrency_key``;
     ``rate_limit=(count, seconds)``: at most ``count`` jobs of the queue start in any window
     of ``seconds``; ``rate_limit_per_key``: the same per key. Jobs held back wait in the
-    queue: they are never failed, dropped or charged an attempt.
+    queue: they are never failed, dropped or charged an attempt. Rate limits are refused on
+    a MariaDB Galera cluster (they would not hold across its nodes; ``max_running`` does).
     """
     check_name("queue", queue)
     limits = QueueLimits(
@@ -160,6 +162,8 @@ def set_queue_limits(
         _clear(conn, queue)
         return limits
     now = check_aware("clock()", clock())
+    if limits.rate_limit is not None or limits.rate_limit_per_key is not None:
+        check_rate_limits(conn)
     conn.execute(delete(LIMITS).where(LIMITS.c.queue == queue))
     conn.execute(
         insert(LIMITS).values(

@@ -660,9 +660,13 @@ def next_due_in(conn: Connection, queues: Sequence[str], scan: PriorityScan) -> 
 
 
 def rollback_quietly(conn: Connection) -> None:
-    """Roll back the claim's transaction; a dead connection has nothing left to roll back."""
+    """Roll back the claim's transaction; a dead connection has nothing left to roll back.
+
+    A transaction whose COMMIT failed (a deadlock, a Galera cluster's certification) is no
+    longer active, yet ends only with this rollback: the connection could begin no other.
+    """
     try:
-        if conn.in_transaction() and not conn.invalidated:
+        if conn.get_transaction() is not None and not conn.invalidated:
             conn.rollback()
     except Exception as exc:
         log_event(logging.DEBUG, "rollback-error", error=repr(exc))

@@ -11,11 +11,13 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any, Literal
 
 from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import QueuePool
 
 from sqla_proletarian import wakeups
@@ -101,6 +103,7 @@ class QueueWorker:
         self.worker_id: str = options.worker_id or ""
         self._stopping = threading.Event()
         dialect_of(engine).check_worker_engine(engine)
+        self._mode_checked = checked_mode(engine, options.lease_seconds)
         self._runner = new_runner(
             engine, options.run_settings(handler), self._count, stopping=self._stopping.is_set
         )
@@ -171,6 +174,8 @@ class QueueWorker:
             )
         if self._threads:
             raise ConfigurationError(f"worker {self.worker_id} was started already")
+        if not self._mode_checked:
+            self._mode_checked = checked_mode(self._engine, self.options.lease_seconds)
         if self.options.install_signal_handlers:
             self._install_signal_handlers()
         wakeups.register(self._engine, self.options.queues, self)
@@ -620,6 +625,27 @@ def _check_engine(engine: Engine) -> None:
         )
 
 
+#: Engines whose server was found to be no Galera node: asked once per engine (a
+#: process_next_job loop does not pay a round trip a call).
+_NO_CLUSTER: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def checked_mode(engine: Engine, lease_seconds: float | None) -> bool:
+    """Refuse a mode the server cannot serve (``Dialect.check_worker_mode``: transaction
+    mode on a Galera cluster); False when the server could not be asked (it is down): the
+    worker asks again when it starts."""
+    dialect = dialect_of(engine)
+    if lease_seconds is not None or dialect.owner_lock != "named" or engine in _NO_CLUSTER:
+        return True
+    try:
+        with engine.connect() as conn:
+            dialect.check_worker_mode(conn, lease_seconds)
+    except DBAPIError:
+        return False
+    _NO_CLUSTER.add(engine)
+    return True
+
+
 def _check_pool(engine: Engine, per_thread: int, threads: int, shared: int = 0) -> None:
     """Refuse a pool that can never give a thread its connections; warn if it starves some.
 
@@ -716,7 +742,8 @@ def create_queue_worker(
     polling interval, between jobs), ``lease_seconds`` (None: transaction mode, each
     handler runs inside the transaction that claimed its job; a number: lease mode, the
     claim commits a lease of that many seconds and the handler runs with no transaction
-    open, for long jobs; see docs/modes.md), ``heartbeat_interval`` (lease mode: seconds
+    open, for long jobs; see docs/modes.md; on a MariaDB Galera cluster transaction mode is
+    refused with ConfigurationError), ``heartbeat_interval`` (lease mode: seconds
     between renewals of the worker's leases, ``lease_seconds / 3``) and ``job_timeout``
     (lease mode: seconds after which a running job is failed with JobTimeoutError, retried
     per the retry strategy, and its handler asked to stop through ``job.cancel_requested``),
@@ -747,7 +774,9 @@ def process_next_job(engine: Engine, handler: Callable[..., Any], **options: Any
     ``max_unclean_ends``, ``reconnect_grace``, ``lease_seconds``, ``heartbeat_interval``,
     ``job_timeout``, ``max_result_bytes``). Database errors are raised to the caller.
     """
-    settings = WorkerOptions.from_kwargs(options).run_settings(handler)
+    worker_options = WorkerOptions.from_kwargs(options)
+    checked_mode(engine, worker_options.lease_seconds)
+    settings = worker_options.run_settings(handler)
     runner = new_runner(engine, settings)
     try:
         return runner.process_one()
