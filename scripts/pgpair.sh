@@ -17,8 +17,8 @@
 # ${SP_PGPAIR_PRIMARY_PORT:-55442}, its standby on ${SP_PGPAIR_STANDBY_PORT:-55443}; user
 # postgres, trust authentication. Tuned for speed (fsync off) but with synchronous
 # replication (synchronous_standby_names='*', synchronous_commit=on): a commit returns once
-# the standby has it. SP_PGPAIR_SYNC=0 makes the replication asynchronous (set it when the
-# pair is made: `stop` first to change it). The standby never waits for a standby of its
+# the standby has it. SP_PGPAIR_SYNC=0 makes the replication asynchronous (`start`/`ensure`
+# rebuild a pair made with the other setting). The standby never waits for a standby of its
 # own, so it takes writes at once once promoted.
 set -euo pipefail
 
@@ -131,7 +131,6 @@ fsync = off
 full_page_writes = off
 logging_collector = off
 wal_level = replica
-max_wal_senders = 5
 wal_keep_size = 256MB
 hot_standby = on
 wal_receiver_status_interval = 1s
@@ -140,28 +139,29 @@ synchronous_commit = on
 EOF
 }
 
-# A fresh pair: a primary from the template, a standby by pg_basebackup -R.
+# A fresh pair: the primary and its standby are both copies of the template, a cluster
+# shut down cleanly and never started since (as a base backup of it would be, without the
+# backup's checkpoint and copy through the server): the standby streams from there.
 build_pair() {
     pg_stop "$STANDBY" immediate
     pg_stop "$PRIMARY" immediate
     rm -f "$FAILED_OVER" "$ENV_FILE"
     make_template
-    rm -rf "$PRIMARY"
-    cp -a "$TEMPLATE" "$PRIMARY"
-    rm -f "$PRIMARY/initdb.log"
-    pg_start "$PRIMARY"
-    new_dir "$STANDBY"
-    pg pg_basebackup -h 127.0.0.1 -p "$PRIMARY_PORT" -U postgres -D "$STANDBY/data" \
-        -R -X stream -c fast --no-sync -w >"$STANDBY/basebackup.log" 2>&1 \
-        || { cat "$STANDBY/basebackup.log" >&2; die "pg_basebackup failed"; }
+    rm -rf "$PRIMARY" "$STANDBY"
+    cp -a "$TEMPLATE" "$PRIMARY" & cp -a "$TEMPLATE" "$STANDBY"; wait
+    rm -f "$PRIMARY/initdb.log" "$STANDBY/initdb.log"
+    touch "$STANDBY/data/standby.signal"
+    ((IS_ROOT)) && chown postgres:postgres "$STANDBY/data/standby.signal"
     # Later lines win. A promoted standby has no standby of its own to wait for.
     cat >>"$STANDBY/data/postgresql.conf" <<EOF
 
 # --- the standby ---
 port = $STANDBY_PORT
 unix_socket_directories = '$STANDBY'
+primary_conninfo = 'host=127.0.0.1 port=$PRIMARY_PORT user=postgres application_name=standby'
 synchronous_standby_names = ''
 EOF
+    pg_start "$PRIMARY"
     pg_start "$STANDBY"
     wait_for "$PRIMARY_PORT" \
         "SELECT count(*) FROM pg_stat_replication WHERE state = 'streaming'" 1 60 \
@@ -172,6 +172,7 @@ EOF
 # Healthy: the first primary takes writes and its standby streams to it (one query).
 healthy() {
     [[ ! -e $FAILED_OVER && -f $ENV_FILE ]] || return 1
+    grep -qx "export SP_PGPAIR_SYNC=$SYNC" "$ENV_FILE" || return 1  # made with the other mode
     [[ $(sql "$PRIMARY_PORT" "SELECT pg_is_in_recovery()::text || ':' || (SELECT count(*) FROM pg_stat_replication WHERE state = 'streaming')" || true) == false:1 ]]
 }
 
