@@ -13,92 +13,15 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import shlex
-import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.engine import URL, make_url
+from failover_helpers import Pair, pair_env
 
 import sqla_proletarian as sp
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "pgpair.sh"
-
-
-def pair_env() -> dict[str, str]:
-    """``pgpair.sh ensure``, then the pair's env file as a dict; a skip (a failure under
-    CI) when the pair cannot run."""
-    done = subprocess.run(
-        [str(SCRIPT), "ensure"], capture_output=True, text=True, timeout=180, check=False
-    )
-    if done.returncode != 0:
-        message = f"no PostgreSQL primary/standby pair ({SCRIPT} ensure): {done.stderr.strip()}"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    env_file = Path(os.environ.get("SP_PGPAIR_DIR", "/tmp/sqla-proletarian-pgpair")) / "env"
-    values: dict[str, str] = {}
-    for line in env_file.read_text().splitlines():
-        name, _, value = line.removeprefix("export ").partition("=")
-        values[name] = shlex.split(value)[0] if value else ""
-    return values
-
-
-class Pair:
-    """A fresh database on the pair's primary, and the URLs that reach it."""
-
-    def __init__(self, env: dict[str, str], name: str) -> None:
-        self.env = env
-        self.name = name
-        #: Whether a commit waits for the standby (SP_PGPAIR_SYNC, on by default).
-        self.synchronous = env["SP_PGPAIR_SYNC"] != "0"
-        self._engines: list[sa.Engine] = []
-
-    def url(self, which: str, driver: str = "psycopg") -> URL:
-        """The database's URL on the ``primary``, the ``standby`` or ``multihost`` (both,
-        with target_session_attrs=read-write), through ``driver``."""
-        url = make_url(self.env[f"SP_TEST_PGPAIR_{which.upper()}_URL"])
-        return url.set(drivername=f"postgresql+{driver}", database=self.name)
-
-    def engine(self, which: str, driver: str = "psycopg", **kwargs: object) -> sa.Engine:
-        engine = sa.create_engine(self.url(which, driver), **kwargs)  # type: ignore[arg-type]
-        self._engines.append(engine)
-        return engine
-
-    def failover(self) -> None:
-        """Stop the primary at once and promote the standby (until it takes writes)."""
-        done = subprocess.run(
-            [self.env["SP_PGPAIR_SCRIPT"], "failover"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-        assert done.returncode == 0, done.stderr
-
-    def replayed(self) -> None:
-        """Wait until the standby has replayed what the primary committed (a synchronous
-        commit waits for the standby to store it, not to apply it)."""
-        primary = self.engine("primary", poolclass=sa.pool.NullPool)
-        standby = self.engine("standby", poolclass=sa.pool.NullPool)
-        with primary.connect() as conn:
-            lsn = conn.exec_driver_sql("SELECT pg_current_wal_lsn()::text").scalar_one()
-        query = sa.text("SELECT pg_last_wal_replay_lsn() >= CAST(:lsn AS pg_lsn)")
-        deadline = time.monotonic() + 60
-        while True:
-            with contextlib.suppress(sa.exc.DBAPIError), standby.connect() as conn:
-                if conn.execute(query, {"lsn": lsn}).scalar_one():
-                    return
-            assert time.monotonic() < deadline, "the standby did not catch up in 60 s"
-            time.sleep(0.02)
-
-    def dispose(self) -> None:
-        for engine in self._engines:
-            engine.dispose()
 
 
 @pytest.fixture

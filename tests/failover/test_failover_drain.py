@@ -19,8 +19,7 @@ import uuid
 
 import pytest
 import sqlalchemy as sa
-from conftest import Pair
-from helpers import MODES, Runs, archive, count, enqueue, events, wait_until
+from failover_helpers import MODES, Pair, Runs, archive, count, enqueue, events, wait_until
 
 import sqla_proletarian as sp
 from sqla_proletarian import statements

@@ -9,8 +9,7 @@ import logging
 
 import pytest
 import sqlalchemy as sa
-from conftest import Pair
-from helpers import MODES, Runs, archive, enqueue, events, wait_until
+from failover_helpers import MODES, Pair, Runs, archive, enqueue, events, wait_until
 
 import sqla_proletarian as sp
 from sqla_proletarian import logs
