@@ -4,8 +4,9 @@
 The pair is made (or rebuilt after the previous test's failover) by ``pgpair.sh ensure``
 before each test; its settings come from the environment (``SP_PGPAIR_DIR``, the ports,
 ``SP_PGPAIR_SYNC``). Where the pair cannot run (no PostgreSQL 15 binaries) the tests are
-skipped, and under ``CI`` that is an error. A test holds the pair alone (a file lock beside
-its state dir), since a failover ends every other test's primary.
+skipped, and under ``CI`` that is an error. A test holds the pair alone (the lock file
+``$SP_PGPAIR_DIR.tests.lock`` beside its state dir, which tests/replica takes too), since a
+failover ends every other test's primary.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def pair() -> Iterator[Pair]:
     """A healthy pair held by this test alone, with a fresh database (the library's tables
     created) on its primary."""
     lock_path = Path(os.environ.get("SP_PGPAIR_DIR", "/tmp/sqla-proletarian-pgpair"))
-    with open(f"{lock_path}.use.lock", "w") as lock:
+    with open(f"{lock_path}.tests.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         env = pair_env()
         name = f"sp_{uuid.uuid4().hex[:16]}"
