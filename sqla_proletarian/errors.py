@@ -318,6 +318,11 @@ MYSQL_TRANSIENT_ERRNOS = frozenset(
     | {4031, 1158, 1159, 1160, 1161, 2002, 2003, 2006, 2013, 2055}
 )
 MYSQL_LOCK_CONFLICT_ERRNOS = frozenset({1205, 1213})
+#: A write refused by a server that takes none: PostgreSQL's read_only_sql_transaction (a
+#: standby, default_transaction_read_only), MySQL/MariaDB's read-only transaction or mode
+#: (1792, 1836; 1290 names ``--read-only`` in its message, other options too).
+PG_READ_ONLY_SQLSTATE = "25006"
+MYSQL_READ_ONLY_ERRNOS = frozenset({1792, 1836})
 #: MySQL/MariaDB's duplicate-key error; it undoes its statement, not the transaction.
 MYSQL_DUPLICATE_KEY_ERRNO = 1062
 
@@ -373,6 +378,18 @@ def is_duplicate_key(exc: BaseException, key: str) -> bool:
     if orig is None or mysql_errno(orig) != MYSQL_DUPLICATE_KEY_ERRNO:
         return False
     return re.search(rf"for key '(?:[^']*\.)?{re.escape(key)}'", str(orig)) is not None
+
+
+def is_read_only(exc: BaseException) -> bool:
+    """A write refused because the server takes no writes: a standby (a worker pointed at
+    it, or at a primary demoted by a failover), or a read-only setting."""
+    orig = driver_error(exc)
+    if orig is None:
+        return False
+    if sqlstate(orig) == PG_READ_ONLY_SQLSTATE:
+        return True
+    errno = mysql_errno(orig)
+    return errno in MYSQL_READ_ONLY_ERRNOS or (errno == 1290 and "read-only" in str(orig))
 
 
 def is_serialization_failure(exc: BaseException) -> bool:
@@ -517,6 +534,14 @@ def polling_error_hint(exc: BaseException) -> str | None:
 
 def transient_hint(exc: BaseException) -> str | None:
     """A hint for transient errors that a setting can cure."""
+    if is_read_only(exc):
+        return (
+            "the worker's database server takes no writes (a standby, or a read-only "
+            "setting): point the worker's URL at the primary, or, on PostgreSQL, list every "
+            "server with target_session_attrs=read-write so that it finds the primary after a "
+            "failover (docs/guide/databases.md, 'Failover to a standby'). The worker retries "
+            "and runs jobs once the server takes writes"
+        )
     if isinstance(exc, sa_exc.TimeoutError):
         return (
             "no connection was free in the engine's pool: each worker thread holds two "

@@ -63,7 +63,8 @@ from sqla_proletarian.running import (
 #: Seconds between looks at the running jobs' timeouts (their heartbeats go by their own
 #: interval).
 TIMEOUT_CHECK = 0.1
-#: Seconds between attempts to give a lease back while the database is out of reach.
+#: Seconds between attempts to give a lease back, or to complete deferred successes, while
+#: the database is out of reach.
 GIVE_BACK_PAUSE = 0.5
 #: Seconds close() waits at least for a timed-out job's outcome to be written.
 OUTCOME_WAIT = 10.0
@@ -375,8 +376,8 @@ class LeaseRunner(RunnerBase):
         self._keeper: threading.Thread | None = None
         #: The server's idle-transaction limit, once read (0: none).
         self._idle_timeout: tuple[float] | None = None
-        #: Where a timed-out job's outcome is written: a thread of its own, or the asyncio
-        #: worker's task (``spawn``).
+        #: Where a timed-out job's outcome is written (and an in-doubt claim given back): a
+        #: thread of its own, or the asyncio worker's task (``spawn``).
         self._outcome_threads: list[threading.Thread] = []
         self._spawn = self._spawner or self._spawn_thread
 
@@ -686,7 +687,12 @@ class LeaseRunner(RunnerBase):
                 arrays = self.dialect.id_arrays
                 direct.execute(conn, *sql.lease(ids, token, owner, now, expiry, arrays=arrays))
             flow.finish(token)
-            conn.commit()
+            try:
+                conn.commit()
+            except Exception as exc:
+                if runs and is_transient(exc):
+                    self._spawn(functools.partial(self._give_back_in_doubt, runs))
+                raise
         except BaseException:
             rollback_quietly(conn)
             raise
@@ -837,15 +843,23 @@ class LeaseRunner(RunnerBase):
         """Archive deferred successes in one transaction: those that still carry their
         run's token (the others' leases were taken: fenced off). A failure is tried once
         more on a fresh connection (the fence keeps a committed first try from archiving
-        twice); if that fails too, the leases are given back, or left to expire."""
-        ended: tuple[set[uuid.UUID], set[uuid.UUID]] | None = None
+        twice), and while the database is out of reach (a restart, a failover) again every
+        ``GIVE_BACK_PAUSE``, for up to a lease (the heartbeat renews the leases meanwhile);
+        if it still fails, the leases are given back, or left to expire."""
+        deadline = time.monotonic() + self._lease.total_seconds()
+        tries = 0
         try:
-            for last in (False, True):
+            while True:
                 try:
                     ended = self._again_when_lost("completion", lambda: self._end_together(runs))
                     break
                 except Exception as exc:
-                    if not last:
+                    tries += 1
+                    if tries > 1 and not (
+                        is_transient(exc) and time.monotonic() < deadline and not self._stopping()
+                    ):
+                        return self._not_completed(runs, exc)
+                    if tries == 1:
                         log_event(
                             logging.WARNING,
                             "completion-retry",
@@ -853,11 +867,10 @@ class LeaseRunner(RunnerBase):
                             jobs=len(runs),
                             error=repr(exc),
                         )
-                        continue
-                    return self._not_completed(runs, exc)
+                    else:
+                        self._sleep(GIVE_BACK_PAUSE)
         finally:
             self._forget(*runs)
-        assert ended is not None
         kept, cancelled = ended
         for run in runs:
             if run.job_id in kept:
@@ -1149,23 +1162,55 @@ class LeaseRunner(RunnerBase):
         """Make the job due again at once: released (no unclean end), or ``charged`` (its
         token kept, so the next claim counts one). While the database is out of reach it
         tries again, for up to a lease; the heartbeat renews the lease meanwhile."""
-        statement = self._give_back_statement(run, charged=charged)
+        try:
+            self._execute_patiently(self._give_back_statement(run, charged=charged))
+            run.released = True
+        except Exception as exc:
+            log_event(
+                logging.WARNING,
+                "lease-release-error",
+                **self._fields(run.job),
+                error=repr(exc),
+                hint="the job runs again once its lease expires",
+            )
+
+    def _give_back_in_doubt(self, runs: list[LeasedRun]) -> None:
+        """A claim's commit failed with its connection, yet may have reached the server
+        (or the standby promoted in its place, a failover): give back, uncharged, the
+        leases it may have taken, by its token, so that they need not expire and count as
+        unclean ends."""
+        try:
+            released = self._execute_patiently(self._released(runs, ran=False)).rowcount
+        except Exception as exc:
+            log_event(
+                logging.WARNING,
+                "lease-release-error",
+                worker_id=self.settings.worker_id,
+                error=repr(exc),
+                hint="the jobs of a claim whose commit failed run again once their leases expire",
+            )
+            return
+        if released:
+            log_event(
+                logging.INFO,
+                "leases-released",
+                worker_id=self.settings.worker_id,
+                jobs=released,
+                hint="a claim whose commit failed with its connection had taken them all the "
+                "same; they are due again at once, without an unclean end",
+            )
+
+    def _execute_patiently(self, statement: sql.Statement) -> Any:
+        """``_execute``, tried again every ``GIVE_BACK_PAUSE`` while the database is out of
+        reach, for up to a lease (the heartbeat renews the worker's leases meanwhile) or until
+        a stop; the last error is raised."""
         deadline = time.monotonic() + self._lease.total_seconds()
         while True:
             try:
-                self._execute(statement)
-                run.released = True
-                return
-            except Exception as exc:
+                return self._execute(statement)
+            except Exception:
                 if time.monotonic() >= deadline or self._stopping():
-                    log_event(
-                        logging.WARNING,
-                        "lease-release-error",
-                        **self._fields(run.job),
-                        error=repr(exc),
-                        hint="the job runs again once its lease expires",
-                    )
-                    return
+                    raise
                 self._sleep(GIVE_BACK_PAUSE)
 
     def _fenced(self, run: LeasedRun) -> None:

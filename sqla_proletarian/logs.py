@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sqla_proletarian.errors import driver_error
+from sqla_proletarian.errors import driver_error, is_read_only
 
 #: The library's logger. Each record carries ``event`` and its fields (``worker_id``,
 #: ``job_id``, ``job_type``, ``queue``, ``attempt``, ...) as attributes.
@@ -55,31 +55,53 @@ class Outage:
     error in full (``first_event``, the driver's further lines after the message), at most
     one ``database-still-unreachable`` per ``OUTAGE_REPORT_INTERVAL`` (how long, how many
     attempts), and, if it took more than one attempt, one ``database-reconnected`` with
-    its length."""
+    its length.
+
+    A server that answers but takes no writes (a standby: ``errors.is_read_only``) is not
+    an outage of the network: it gets one ``database-read-only`` line (with ``hint``), no
+    ``database-still-unreachable`` while it lasts, and ``database-writable`` once an attempt
+    works. ``report_read_only=False`` leaves that line to others (the pollers say it for
+    their worker's LISTEN thread)."""
 
     def __init__(
-        self, first_event: str, *, clock: Callable[[], float] = time.monotonic, **fields: Any
+        self,
+        first_event: str,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        report_read_only: bool = True,
+        **fields: Any,
     ) -> None:
         self.first_event = first_event
         self.fields = fields
         self._clock = clock
+        self._report_read_only = report_read_only
         self._lock = threading.Lock()
         #: When the outage began (None: no outage), its failed attempts, its last line.
         self.started: float | None = None
         self.attempts = 0
         self._reported = 0.0
+        #: Whether the last failure was a read-only server's refusal, already reported.
+        self.read_only = False
 
     def failed(self, exc: BaseException, hint: str | None = None, **extra: Any) -> None:
-        """An attempt failed: log it if it begins the outage, or if the last line about
-        the outage is ``OUTAGE_REPORT_INTERVAL`` old."""
+        """An attempt failed: log it if it begins the outage, if the last line about the
+        outage is ``OUTAGE_REPORT_INTERVAL`` old, or if it is the first refusal of a
+        read-only server (which is not logged again while the refusals go on)."""
+        read_only = is_read_only(exc)
         with self._lock:
             now = self._clock()
             self.attempts += 1
             first = self.started is None
             if first:
                 self.started = now
-            elif now - self._reported < OUTAGE_REPORT_INTERVAL:
+            if read_only:
+                if self.read_only:
+                    return
+                self.read_only = first = True
+            elif not first and now - self._reported < OUTAGE_REPORT_INTERVAL:
                 return
+            else:
+                self.read_only = False
             self._reported = now
             seconds, attempts = now - (self.started or now), self.attempts
         # The driver's own text (without SQLAlchemy's statement): its first line in the
@@ -87,11 +109,14 @@ class Outage:
         cause = driver_error(exc) or exc
         lines = str(cause).strip().splitlines() or [""]
         error = f"{type(cause).__name__}: {lines[0]}"
+        if read_only and not self._report_read_only:
+            log_event(logging.DEBUG, "database-read-only", **self.fields, error=error)
+            return
         if first:
             detail = "\n".join(lines[1:]) or None
             log_event(
                 logging.WARNING,
-                self.first_event,
+                "database-read-only" if read_only else self.first_event,
                 **self.fields,
                 error=error,
                 **extra,
@@ -124,11 +149,12 @@ class Outage:
             if self.started is None or (began is not None and began < self.started):
                 return
             seconds, attempts = self._clock() - self.started, self.attempts
+            read_only, self.read_only = self.read_only, False
             self.started, self.attempts = None, 0
         if attempts > 1:
             log_event(
                 logging.INFO,
-                "database-reconnected",
+                "database-writable" if read_only else "database-reconnected",
                 **self.fields,
                 seconds=round(seconds, 1),
                 attempts=attempts,

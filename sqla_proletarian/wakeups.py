@@ -137,8 +137,9 @@ class _Listening:
         #: Wakes every idle poller (LISTEN began or ended); ``notify``, one (a job committed).
         self.wake = wake
         self.notify = notified or wake
-        #: Its connection's failures, logged as one outage until it listens again.
-        self.outage = Outage("listen-error", queue=self.name)
+        #: Its connection's failures, logged as one outage until it listens again (a
+        #: read-only server, where LISTEN fails too, is the pollers' to report).
+        self.outage = Outage("listen-error", report_read_only=False, queue=self.name)
         #: True while LISTEN is in effect: a commit then wakes the worker (see ``_listening``).
         self.listening = False
 

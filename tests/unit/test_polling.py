@@ -14,6 +14,7 @@ import pytest
 from sqlalchemy import exc as sa_exc
 
 from sqla_proletarian import polling, wakeups
+from sqla_proletarian.errors import transient_hint
 from sqla_proletarian.logs import Outage
 from sqla_proletarian.polling import (
     DUE_MARGIN,
@@ -211,6 +212,64 @@ def test_a_poll_in_flight_when_an_outage_began_does_not_end_it(
     outage.ended(began)
     [back] = events(caplog, "database-reconnected")
     assert back.attempts == 2
+
+
+class ReadOnlySqlTransaction(Exception):
+    """A PostgreSQL driver's refusal of a write on a standby (SQLSTATE 25006)."""
+
+    sqlstate = "25006"
+
+
+def test_a_read_only_server_gets_one_line_with_its_hint_however_long_it_refuses(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A worker pointed at a standby: its first refused poll logs ``database-read-only``
+    with what to change; the refusals after it, 75 s of them, log nothing (the server is
+    not unreachable); the first poll that works logs ``database-writable``. Its LISTEN
+    thread's outage leaves the line to the pollers."""
+    now = [100.0]
+    outage = Outage("transient-polling-error", clock=lambda: now[0], worker_id="w1")
+    listener = Outage("listen-error", clock=lambda: now[0], report_read_only=False, queue="q")
+    refused = sa_exc.InternalError(
+        "SELECT ... FOR UPDATE",
+        {},
+        ReadOnlySqlTransaction("cannot execute SELECT FOR UPDATE in a read-only transaction"),
+    )
+    for _ in range(40):
+        outage.failed(refused, transient_hint(refused), retry_in=5.0)
+        listener.failed(refused)
+        now[0] += 75 / 40
+    outage.ended()
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [r.event for r in warnings] == ["database-read-only"]
+    [line] = warnings
+    assert line.worker_id == "w1"
+    assert line.error.endswith("cannot execute SELECT FOR UPDATE in a read-only transaction")
+    assert "target_session_attrs=read-write" in line.hint and "primary" in line.hint
+    [writable] = events(caplog, "database-writable")
+    assert (writable.seconds, writable.attempts) == (75.0, 40)
+    assert events(caplog, "database-reconnected") == []
+
+
+def test_an_outage_that_turns_into_a_read_only_server_says_so_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A failover seen through one URL: first the server is unreachable, then it answers
+    read-only (a standby not yet promoted): the outage's first line, then one
+    ``database-read-only`` at once, whatever the report interval."""
+    now = [100.0]
+    outage = Outage("transient-polling-error", clock=lambda: now[0], worker_id="w1")
+    lost = sa_exc.OperationalError("SELECT 1", {}, Exception("server closed the connection"))
+    refused = sa_exc.InternalError("SELECT 1", {}, ReadOnlySqlTransaction("read-only"))
+    for error in (lost, lost, refused, refused, refused):
+        outage.failed(error)
+        now[0] += 1.0
+    outage.ended()
+    assert [getattr(r, "event", None) for r in caplog.records] == [
+        "transient-polling-error",
+        "database-read-only",
+        "database-writable",
+    ]
 
 
 # --- empty polls: the watcher, the burst, LISTEN ------------------------------------------------
