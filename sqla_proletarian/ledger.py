@@ -67,6 +67,12 @@ OWNER_GRACE = 5.0
 KEEPER_INTERVAL = 1.0
 #: When this process first saw each owner gone (monotonic), by owner token.
 _GONE_SINCE: dict[str, float] = {}
+#: The runs of this process in progress, by the owner token their records carry (an owner
+#: once seen stays, with no runs): a record of one of these owners whose run is not among them
+#: has ended, though the database shows it still. A failover to an asynchronous standby that
+#: missed its removal brings such a record back, and with its owner alive it would hold its
+#: job until the worker stopped.
+_RUNNING: dict[str, set[uuid.UUID]] = {}
 #: ``worker_id`` of the records a live worker lost with its connection while a handler ran.
 LOST_CONNECTION = "(connection lost while the handler ran)"
 
@@ -330,6 +336,8 @@ def past_runs(
         return CLEAN
     dead = []
     for row in conn.execute(*sql.runs_of(job_id)).all():
+        if _ended_here(row.owner, row.run_id):
+            continue  # its end was lost with the server that had it: no unclean end either
         if owner_state(dialect.owner_lock, row.owner, conn, grace) != "gone":
             return Past(held=True)
         dead.append(row)
@@ -339,6 +347,13 @@ def past_runs(
         suspect=any(row.batched for row in dead),
         connection_losses=sum(1 for row in solo if row.worker_id == LOST_CONNECTION),
     )
+
+
+def _ended_here(owner: str | None, run_id: uuid.UUID) -> bool:
+    """Whether a record is of a run of this process that is no longer in progress."""
+    with _LOCK:
+        running = _RUNNING.get(owner) if owner is not None else None
+        return running is not None and run_id not in running
 
 
 class ClaimRecords:
@@ -366,6 +381,9 @@ class ClaimRecords:
         now = self.clock()
         batched = len(job_ids) > 1
         self.run_ids = {job_id: uuid.uuid4() for job_id in job_ids}
+        if self.owner is not None:
+            with _LOCK:
+                _RUNNING.setdefault(self.owner, set()).update(self.run_ids.values())
         rows = [
             {
                 "run_id": run_id,
@@ -385,6 +403,9 @@ class ClaimRecords:
 
     def ended(self) -> None:
         """The outcomes' commit removed the records."""
+        if self.owner is not None and self.run_ids:
+            with _LOCK:
+                _RUNNING.get(self.owner, set()).difference_update(self.run_ids.values())
         self.run_ids = {}
 
     def disown(self, conn: Connection, job_id: uuid.UUID) -> None:
@@ -395,6 +416,7 @@ class ClaimRecords:
             return
         try:
             conn.execute(*self._end_runs())
+            self.ended()
             self.run_ids = {job_id: uuid.uuid4()}
             self.owner, owner = None, self.owner
             try:

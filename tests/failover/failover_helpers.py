@@ -78,6 +78,17 @@ class Pair:
         )
         assert done.returncode == 0, done.stderr
 
+    def cut_replication(self) -> None:
+        """Make the standby stop receiving: its WAL receiver is pointed at a port where no
+        server listens (what a network partition or a standby far behind does). On an
+        asynchronous pair the primary goes on committing what the standby will never have."""
+        standby = self.engine("standby", poolclass=sa.pool.NullPool, isolation_level="AUTOCOMMIT")
+        with standby.connect() as conn:
+            conn.exec_driver_sql(
+                "ALTER SYSTEM SET primary_conninfo = 'host=127.0.0.1 port=1 connect_timeout=1'"
+            )
+            conn.exec_driver_sql("SELECT pg_reload_conf()")
+
     def replayed(self) -> None:
         """Wait until the standby has replayed what the primary committed (a synchronous
         commit waits for the standby to store it, not to apply it)."""

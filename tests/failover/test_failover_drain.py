@@ -7,12 +7,14 @@ With synchronous replication (the pair's default) every job whose enqueue commit
 archived exactly once, only jobs running at the moment of the failover may run again, and
 none is charged an unclean end. On an asynchronous pair (``SP_PGPAIR_SYNC=0``) the counts
 show what the failover lost (commits the standby had not received), and nothing is asserted
-about them (docs/guide/databases.md, "Failover to a standby")."""
+about them (docs/guide/databases.md, "Failover to a standby"); ``SP_FAILOVER_STANDBY_BEHIND=S``
+there cuts the standby off S seconds before the failover, so that it misses those seconds."""
 
 from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 import uuid
@@ -55,6 +57,7 @@ def test_a_drain_of_2000_jobs_across_a_failover_archives_each_once(
     pair: Pair, mode: str, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
 ) -> None:
     caplog.set_level(logging.INFO, logger="sqla_proletarian")
+    behind = 0.0 if pair.synchronous else float(os.environ.get("SP_FAILOVER_STANDBY_BEHIND", 0))
     app_engine = pair.engine("multihost", pool_pre_ping=True)
     up_front = enqueue(app_engine, UP_FRONT)
     runs = Runs(pause=0.001)
@@ -73,6 +76,9 @@ def test_a_drain_of_2000_jobs_across_a_failover_archives_each_once(
         app.start()
         try:
             wait_until(lambda: len(runs) >= UP_FRONT // 2, "the drain is under way", worker)
+            if behind:
+                pair.cut_replication()
+                time.sleep(behind)
             pair.failover()
             app.join(60)
             assert not app.is_alive(), "the app's enqueues did not resume"
@@ -97,6 +103,7 @@ def test_a_drain_of_2000_jobs_across_a_failover_archives_each_once(
             f"archived={len(enqueued & set(archived))} "
             f"archived_twice={twice} lost={len(lost)} reruns={runs.reruns()} "
             f"unclean_ends={unclean} failed_enqueues={app.failed} replication={replication}"
+            + (f" standby_behind={behind:g}s" if behind else "")
         )
     assert len(enqueued) == UP_FRONT + BY_THE_APP
     if not pair.synchronous:
