@@ -15,6 +15,8 @@ import pytest
 import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
+from alembic.migration import MigrationContext
+from alembic.operations import Operations
 from alembic.script import ScriptDirectory
 from sqlalchemy.orm import Session
 
@@ -320,3 +322,27 @@ def test_install_on_a_projects_history_without_the_current_tables_points_at_the_
     with engine.connect() as conn:
         assert conn.scalar(sa.text("SELECT version_num FROM alembic_version")) == "app_0001"
     engine.dispose()
+
+
+def test_install_on_a_projects_history_at_sqlap_0010_wants_the_unique_slot_on_mysql(
+    empty_database: Database,
+) -> None:
+    """A project whose own revisions called the helpers up to sqlap_0010: on MySQL and
+    MariaDB its job table lacks the unique slot of sqlap_0011, so install refuses and names
+    `alembic-revision`; once its revision calls add_unique_slot, it is up to date. On the
+    other servers sqlap_0011 changes nothing: up to date at once."""
+    engine = empty_database.engine()
+    with engine.begin() as conn:
+        ops = Operations(MigrationContext.configure(conn))
+        for revision, helpers, _ in spm.REVISION_HELPERS:
+            if revision != "sqlap_0011":
+                for helper in helpers:
+                    getattr(spm, helper)(ops)
+        conn.exec_driver_sql("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL)")
+        conn.exec_driver_sql("INSERT INTO alembic_version VALUES ('app_0001')")
+    if engine.dialect.name in ("mysql", "mariadb"):
+        with pytest.raises(sp.ProletarianError, match=r"app_0001.*alembic-revision"):
+            install_tables(engine)
+        with engine.begin() as conn:
+            spm.add_unique_slot(Operations(MigrationContext.configure(conn)))
+    assert install_tables(engine) == []
