@@ -16,6 +16,7 @@ from alembic import context
 from sqlalchemy.schema import SchemaItem
 
 import sqla_proletarian as sp
+from sqla_proletarian.models import compared_on
 
 config = context.config
 
@@ -48,9 +49,20 @@ def database_url() -> str:
 
 
 def configure(**options: Any) -> None:
+    connection = options.get("connection")
+    # What a server's schema holds beyond the MetaData (MySQL's unique slot) is left out.
+    on_server = compared_on(connection.dialect) if connection is not None else None
+
+    def include_object(
+        obj: SchemaItem, name: str | None, type_: str, reflected: bool, compare_to: Any
+    ) -> bool:
+        return only_library_tables(obj, name, type_, reflected, compare_to) and (
+            on_server is None or on_server(obj, name, type_, reflected, compare_to)
+        )
+
     context.configure(
         target_metadata=target_metadata,
-        include_object=only_library_tables,
+        include_object=include_object,
         compare_type=True,
         **options,
     )

@@ -1129,8 +1129,8 @@ class LeaseRunner(RunnerBase):
         elif lost_race(exc):
             hint = (
                 "the job's transaction lost a race with another one (a deadlock; on a Galera "
-                "cluster, a write of another node to the same rows or the same queue): nothing "
-                "of the run was committed, and the job runs again, uncharged"
+                "cluster, a write of another node to the same rows or unique keys): nothing of "
+                "the run was committed, and the job runs again, uncharged"
             )
         else:
             hint = connection_loss_hint(exc)

@@ -27,7 +27,7 @@ from sqla_proletarian.dialects import Dialect, dialect_of
 from sqla_proletarian.enqueue import Transaction, _connection_of
 from sqla_proletarian.errors import ConfigurationError, InvalidJobError, ProletarianError
 from sqla_proletarian.logs import log_event
-from sqla_proletarian.models import JOB_TABLE, UNIQUE_KEY_INDEX, Status
+from sqla_proletarian.models import JOB_TABLE, UNIQUE_SLOT_INDEX, Status
 from sqla_proletarian.statements import progress as graph
 from sqla_proletarian.statements import workflows as wsql
 from sqla_proletarian.unique import insert_or_nothing
@@ -330,7 +330,7 @@ def _retry_batch(
         if row.unique_key is None:
             continue
         statement = sql.requeue_keyed(row.job_id, now, dialect.insert_or_nothing)
-        if insert_or_nothing(conn, dialect, statement, UNIQUE_KEY_INDEX):
+        if insert_or_nothing(conn, dialect, statement, UNIQUE_SLOT_INDEX):
             kept = conn.execute(*sql.keep_failures([row.job_id])).rowcount
             _check_moved([1, conn.execute(*sql.delete_failure(row.job_id)).rowcount, kept])
             conn.execute(*wsql.mark_dependents([row.job_id]))

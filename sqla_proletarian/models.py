@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
@@ -23,12 +24,14 @@ from sqlalchemy import (
     event,
     text,
 )
+from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Dialect as SADialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.schema import SchemaItem
 
 from sqla_proletarian.errors import InvalidJobError
 from sqla_proletarian.serialization import Serializer
-from sqla_proletarian.types import UTCDateTime, name_type, payload_type
+from sqla_proletarian.types import UTCDateTime, exact_collation, name_type, payload_type
 from sqla_proletarian.values import (
     DEFAULT_PRIORITY,
     DEFAULT_QUEUE,
@@ -70,8 +73,16 @@ PROGRESS_TABLE = "proletarian_progress"
 WAITING_AT = datetime(9999, 1, 1, tzinfo=UTC)
 #: ``proletarian_dependency.kind`` of a ``wait_for_result`` caller's row.
 WAIT_KIND = "wait"
-#: The unique index that lets one queued job hold a ``unique_key`` in its queue.
+#: The index on ``(queue, unique_key)``: unique on PostgreSQL and SQLite (their ON CONFLICT
+#: names its columns), where it lets one queued job hold a ``unique_key`` in its queue; on
+#: MySQL and MariaDB it only finds a key's holder, and ``UNIQUE_SLOT_INDEX`` holds the keys.
 UNIQUE_KEY_INDEX = "ix_proletarian_job_unique_key"
+#: MySQL and MariaDB: the unique index on the generated column ``UNIQUE_SLOT`` that lets one
+#: queued job hold a ``unique_key`` in its queue (the name in a duplicate-key error).
+UNIQUE_SLOT_INDEX = "ix_proletarian_job_unique_slot"
+#: MySQL and MariaDB: the job table's VIRTUAL column that is NULL for a job without a
+#: ``unique_key``, and its queue and key, spelled unambiguously, for a job with one.
+UNIQUE_SLOT = "unique_slot"
 
 # Why ``run_order``: a job's priority (higher runs first) is stored negated, so that the poll
 # reads the index (queue, run_order, process_at, seq) in ascending order on every server, as
@@ -94,6 +105,15 @@ metadata = MetaData(naming_convention=NAMING_CONVENTION)
 Status = Literal["success", "failure", "cancelled"]
 
 _MYSQL_TABLE_ARGS = {"mysql_engine": "InnoDB", "mysql_charset": "utf8mb4"}
+
+
+def _is_mysql(dialect: SADialect) -> bool:
+    return dialect.name in ("mysql", "mariadb")
+
+
+def _not_mysql(*args: Any, dialect: SADialect, **kw: Any) -> bool:
+    """``ddl_if``: built on servers other than MySQL and MariaDB."""
+    return not _is_mysql(dialect)
 
 
 class Base(DeclarativeBase):
@@ -157,7 +177,8 @@ class Job(Base):
         # 0 the job waits, its ``process_at`` is ``WAITING_AT`` and ``due_at`` its own.
         Column("waiting_on", Integer(), nullable=False, server_default=text("0")),
         Index("ix_proletarian_job_poll", "queue", "run_order", "process_at", "seq"),
-        Index(UNIQUE_KEY_INDEX, "queue", "unique_key", unique=True),
+        # MySQL and MariaDB get theirs from ``unique_slot_ddl`` (see there why).
+        Index(UNIQUE_KEY_INDEX, "queue", "unique_key", unique=True).ddl_if(callable_=_not_mysql),
         mysql_engine=_MYSQL_TABLE_ARGS["mysql_engine"],
         mysql_charset=_MYSQL_TABLE_ARGS["mysql_charset"],
     )
@@ -275,6 +296,57 @@ def _enqueue_notifications_ddl() -> None:
 
 
 _enqueue_notifications_ddl()
+
+
+def unique_slot_ddl(dialect: SADialect) -> str:
+    """MySQL and MariaDB: the job table's ``unique_slot`` column, its unique index and the
+    lookup index on ``(queue, unique_key)``, in one ALTER TABLE (the migrations hold a frozen
+    copy, ``sqlap_0011``).
+
+    Why not a unique index on ``(queue, unique_key)`` there: a Galera cluster certifies each
+    write by the keys of its row's unique indexes, a NULL part included, so two nodes writing
+    any two jobs of one queue at once conflicted at commit (error 1213). A unique index on one
+    column that is NULL for most jobs gives them no key to conflict on. The slot spells the
+    queue's length first, so no queue and key can spell another's; 515 utf8mb4 characters
+    (2,060 bytes) stay within InnoDB's 3,072-byte index keys.
+    """
+    return (
+        f"ALTER TABLE {JOB_TABLE} "
+        f"ADD COLUMN {UNIQUE_SLOT} VARCHAR(515) CHARACTER SET utf8mb4 "
+        f"COLLATE {exact_collation(dialect)} "
+        "AS (IF(unique_key IS NULL, NULL, "
+        "CONCAT(CHAR_LENGTH(queue), ':', queue, ':', unique_key))) VIRTUAL, "
+        f"ADD UNIQUE INDEX {UNIQUE_SLOT_INDEX} ({UNIQUE_SLOT}), "
+        f"ADD INDEX {UNIQUE_KEY_INDEX} (queue, unique_key)"
+    )
+
+
+def _add_unique_slot(target: Table, connection: Connection, **kw: Any) -> None:
+    """``metadata.create_all`` gives MySQL and MariaDB the same unique slot as the migrations;
+    ``unique_slot`` stays out of the models, so that the ORM never reads or writes it."""
+    if _is_mysql(connection.dialect):
+        connection.exec_driver_sql(unique_slot_ddl(connection.dialect))
+
+
+event.listen(Job.__table__, "after_create", _add_unique_slot)
+
+
+def compared_on(
+    dialect: SADialect,
+) -> Callable[[SchemaItem, str | None, str, bool, Any], bool]:
+    """An Alembic ``include_object`` filter for comparing the library's tables with
+    :data:`metadata` on ``dialect``: on MySQL and MariaDB it leaves out what
+    :func:`unique_slot_ddl` builds there (and the unique index :data:`metadata` builds on the
+    other servers only), which autogenerate cannot tell apart."""
+    skipped = {UNIQUE_SLOT, UNIQUE_SLOT_INDEX, UNIQUE_KEY_INDEX} if _is_mysql(dialect) else set()
+
+    def include(
+        obj: SchemaItem, name: str | None, type_: str, reflected: bool, compare_to: Any
+    ) -> bool:
+        table = getattr(obj, "table", None)
+        return not (name in skipped and getattr(table, "name", None) == JOB_TABLE)
+
+    return include
 
 
 class ArchivedJob(Base):

@@ -33,7 +33,7 @@ from sqla_proletarian import statements as sql
 from sqla_proletarian import wakeups
 from sqla_proletarian.dialects import Dialect, dialect_of
 from sqla_proletarian.errors import ProletarianError, is_duplicate_key, is_serialization_failure
-from sqla_proletarian.models import UNIQUE_KEY_INDEX
+from sqla_proletarian.models import UNIQUE_SLOT_INDEX
 
 #: Inserts tried before giving up when the job holding the key keeps leaving the queue
 #: between the insert and the read of its id (each time, the key was free again).
@@ -63,7 +63,7 @@ def enqueue_unique(conn: Connection, values: dict[str, Any]) -> uuid.UUID:
             return holder
     statement = sql.insert_job_or_nothing(values, dialect.insert_or_nothing)
     for _ in range(MAX_INSERT_ATTEMPTS):
-        outcome, failure = _insert(conn, dialect, statement, UNIQUE_KEY_INDEX)
+        outcome, failure = _insert(conn, dialect, statement, UNIQUE_SLOT_INDEX)
         if outcome == "inserted":
             wakeups.enqueued(conn, {queue})
             job_id: uuid.UUID = values["job_id"]

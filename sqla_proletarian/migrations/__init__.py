@@ -12,8 +12,9 @@ it: ``create_tables`` is ``sqlap_0001``; ``add_run_owners`` and ``add_enqueue_no
 are ``sqlap_0002``; ``add_trace_context`` is ``sqlap_0003``; ``add_job_control`` is
 ``sqlap_0004``; ``add_archived_unique_key`` is ``sqlap_0005``; ``add_leases`` is
 ``sqlap_0006``; ``add_uncharged_runs`` is ``sqlap_0007``; ``add_job_history`` is
-``sqlap_0008``; ``add_flow_control`` is ``sqlap_0009``. A single-head project calls each
-new helper from a new revision of its own, in that order.
+``sqlap_0008``; ``add_flow_control`` is ``sqlap_0009``; ``add_workflows`` is ``sqlap_0010``;
+``add_unique_slot`` is ``sqlap_0011``. A single-head project calls each new helper from a new
+revision of its own, in that order.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ __all__ = [
     "add_run_owners",
     "add_trace_context",
     "add_uncharged_runs",
+    "add_unique_slot",
     "add_workflows",
     "create_tables",
     "drop_archived_unique_key",
@@ -56,6 +58,7 @@ __all__ = [
     "drop_tables",
     "drop_trace_context",
     "drop_uncharged_runs",
+    "drop_unique_slot",
     "drop_workflows",
     "include_object",
 ]
@@ -70,7 +73,7 @@ BRANCH_LABEL = "sqla_proletarian"
 INITIAL_REVISION = "sqlap_0001"
 
 #: The newest revision of the library's branch.
-HEAD_REVISION = "sqlap_0010"
+HEAD_REVISION = "sqlap_0011"
 
 #: Each library revision, oldest first, with the helpers that make its schema change (called
 #: in this order from ``upgrade()``) and those that undo it (from ``downgrade()``): what
@@ -90,6 +93,7 @@ REVISION_HELPERS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("sqlap_0008", ("add_job_history",), ("drop_job_history",)),
     ("sqlap_0009", ("add_flow_control",), ("drop_flow_control",)),
     ("sqlap_0010", ("add_workflows",), ("drop_workflows",)),
+    ("sqlap_0011", ("add_unique_slot",), ("drop_unique_slot",)),
 )
 
 # Table names are spelled out (not imported from the models) so the revision stays as written.
@@ -107,6 +111,7 @@ _DEPENDENCY = "proletarian_dependency"
 _PROGRESS = "proletarian_progress"
 _POLL_INDEX = "ix_proletarian_job_poll"
 _UNIQUE_KEY_INDEX = "ix_proletarian_job_unique_key"
+_UNIQUE_SLOT_INDEX = "ix_proletarian_job_unique_slot"
 
 _NAME_LENGTH = 255
 _MYSQL_TABLE_OPTIONS: dict[str, Any] = {"mysql_engine": "InnoDB", "mysql_charset": "utf8mb4"}
@@ -119,12 +124,16 @@ def _sequence() -> sa.types.TypeEngine[int]:
 
 def _name(dialect: sa.Dialect) -> sa.types.TypeEngine[str]:
     """A queue name or job type, compared exactly (binary NO PAD collation on MySQL)."""
-    collation = "utf8mb4_nopad_bin" if getattr(dialect, "is_mariadb", False) else "utf8mb4_0900_bin"
     return sa.String(_NAME_LENGTH).with_variant(
-        mysql.VARCHAR(_NAME_LENGTH, charset="utf8mb4", collation=collation),
+        mysql.VARCHAR(_NAME_LENGTH, charset="utf8mb4", collation=_exact_collation(dialect)),
         "mysql",
         "mariadb",
     )
+
+
+def _exact_collation(dialect: sa.Dialect) -> str:
+    """The binary, NO PAD utf8mb4 collation of a MySQL-family server."""
+    return "utf8mb4_nopad_bin" if getattr(dialect, "is_mariadb", False) else "utf8mb4_0900_bin"
 
 
 def _payload() -> sa.types.TypeEngine[str]:
@@ -546,3 +555,47 @@ def drop_workflows(op: Operations | ModuleType | None = None) -> None:
         ops.drop_table(table)
     ops.drop_column(_ARCHIVED_JOB, "result")
     ops.drop_column(_JOB, "waiting_on")
+
+
+def _is_mysql(dialect: sa.Dialect) -> bool:
+    return dialect.name in ("mysql", "mariadb")
+
+
+def add_unique_slot(op: Operations | ModuleType | None = None) -> None:
+    """MySQL and MariaDB: hold unique keys in a unique index on one generated column
+    (``sqlap_0011``); nothing on PostgreSQL and SQLite.
+
+    The job table gets ``unique_slot``, a VIRTUAL column (NULL for a job without a
+    ``unique_key``, its queue and key for a job with one) with the unique index
+    ``ix_proletarian_job_unique_slot``; the index on ``(queue, unique_key)`` stays, no longer
+    unique. On a Galera cluster that index made any two jobs of one queue, written from two
+    nodes at once, conflict at commit. One ALTER TABLE; queued jobs keep their keys.
+    """
+    ops = _operations(op)
+    dialect = ops.get_context().dialect
+    if not _is_mysql(dialect):
+        return
+    ops.execute(
+        f"ALTER TABLE {_JOB} "
+        f"DROP INDEX {_UNIQUE_KEY_INDEX}, "
+        "ADD COLUMN unique_slot VARCHAR(515) CHARACTER SET utf8mb4 "
+        f"COLLATE {_exact_collation(dialect)} "
+        "AS (IF(unique_key IS NULL, NULL, "
+        "CONCAT(CHAR_LENGTH(queue), ':', queue, ':', unique_key))) VIRTUAL, "
+        f"ADD UNIQUE INDEX {_UNIQUE_SLOT_INDEX} (unique_slot), "
+        f"ADD INDEX {_UNIQUE_KEY_INDEX} (queue, unique_key)"
+    )
+
+
+def drop_unique_slot(op: Operations | ModuleType | None = None) -> None:
+    """Undo :func:`add_unique_slot`: the index on ``(queue, unique_key)`` is unique again."""
+    ops = _operations(op)
+    if not _is_mysql(ops.get_context().dialect):
+        return
+    ops.execute(
+        f"ALTER TABLE {_JOB} "
+        f"DROP INDEX {_UNIQUE_SLOT_INDEX}, "
+        "DROP COLUMN unique_slot, "
+        f"DROP INDEX {_UNIQUE_KEY_INDEX}, "
+        f"ADD UNIQUE INDEX {_UNIQUE_KEY_INDEX} (queue, unique_key)"
+    )

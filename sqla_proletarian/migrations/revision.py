@@ -174,14 +174,19 @@ def _script_directory(path: Path) -> tuple[ScriptDirectory, Path]:
 
 def tables_are_current(conn: Connection) -> bool:
     """Whether the library's tables all exist with every column this version's models
-    know: made by a project's own revision, they carry no library revision to compare."""
-    from sqla_proletarian.models import metadata
+    know (and, on MySQL and MariaDB, the job table's unique slot, which they do not): made
+    by a project's own revision, they carry no library revision to compare."""
+    from sqla_proletarian.models import JOB_TABLE, UNIQUE_SLOT, metadata
 
     inspector = sa.inspect(conn)
+    mysql = conn.dialect.name in ("mysql", "mariadb")
     for table in metadata.sorted_tables:
         if not inspector.has_table(table.name):
             return False
         present = {column["name"] for column in inspector.get_columns(table.name)}
-        if not set(table.columns.keys()) <= present:
+        expected = set(table.columns.keys())
+        if mysql and table.name == JOB_TABLE:
+            expected.add(UNIQUE_SLOT)
+        if not expected <= present:
             return False
     return True

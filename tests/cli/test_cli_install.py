@@ -21,6 +21,7 @@ from cli_support import cli, url_of
 import sqla_proletarian as sp
 import sqla_proletarian.migrations as spm
 from sqla_proletarian.maintenance import install_tables
+from sqla_proletarian.models import compared_on
 
 if TYPE_CHECKING:
     from conftest import Database
@@ -71,8 +72,14 @@ def only_library_tables(obj: Any, name: str | None, type_: str, *args: Any) -> b
 
 
 def library_differences(engine: sa.Engine) -> list[Any]:
-    """What autogenerate would change in the library's tables (and only those)."""
-    options = {"compare_type": True, "include_object": only_library_tables}
+    """What autogenerate would change in the library's tables (and only those), leaving out
+    what the server's schema holds beyond the models (MySQL's unique slot)."""
+    on_server = compared_on(engine.dialect)
+
+    def included(obj: Any, name: str | None, type_: str, *args: Any) -> bool:
+        return only_library_tables(obj, name, type_, *args) and on_server(obj, name, type_, *args)
+
+    options = {"compare_type": True, "include_object": included}
     with engine.connect() as conn:
         return list(compare_metadata(MigrationContext.configure(conn, opts=options), sp.metadata))
 

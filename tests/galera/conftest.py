@@ -243,7 +243,7 @@ T = TypeVar("T")
 def committed(engine: sa.Engine, work: Callable[[sa.Connection], T], tries: int = 20) -> T:
     """``work`` in a transaction of its own on ``engine``, committed; made again when it
     loses a lock conflict, as every writer to a Galera cluster must (two nodes' enqueues
-    into one queue conflict at commit: see docs/guide/databases.md)."""
+    with one unique key conflict at commit: see docs/guide/databases.md)."""
     for left in range(tries - 1, -1, -1):
         try:
             with engine.begin() as conn:

@@ -15,6 +15,8 @@ import pytest
 import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
+from alembic.migration import MigrationContext
+from alembic.operations import Operations
 from alembic.script import ScriptDirectory
 from sqlalchemy.orm import Session
 
@@ -22,6 +24,7 @@ import sqla_proletarian as sp
 import sqla_proletarian.migrations as spm
 from sqla_proletarian.cli import main
 from sqla_proletarian.maintenance import install_tables
+from sqla_proletarian.models import UNIQUE_SLOT
 
 if TYPE_CHECKING:
     from conftest import Database
@@ -133,9 +136,12 @@ def test_revision_on_the_projects_head_keeps_plain_upgrade_head_and_autogenerate
     engine = empty_database.engine()
     try:
         inspector = sa.inspect(engine)
+        # MySQL's job table has its unique slot beyond the models (unique_slot_ddl).
+        mysql = engine.dialect.name in ("mysql", "mariadb")
         for table in sp.metadata.sorted_tables:
             columns = {column["name"] for column in inspector.get_columns(table.name)}
-            assert columns == set(table.columns.keys()), table.name
+            extra = {UNIQUE_SLOT} if mysql and table.name == "proletarian_job" else set()
+            assert columns == set(table.columns.keys()) | extra, table.name
         with engine.connect() as conn:
             recorded = set(conn.scalars(sa.text("SELECT version_num FROM alembic_version")))
         assert recorded == {head}
@@ -236,9 +242,11 @@ def test_a_later_release_gets_a_revision_with_only_the_library_revisions_the_his
         "add_job_history()  # sqlap_0008",
         "add_flow_control()  # sqlap_0009",
         "add_workflows()  # sqlap_0010",
+        "add_unique_slot()  # sqlap_0011",
     ]
     assert (
-        "    drop_workflows()\n    drop_flow_control()\n    drop_job_history()\n"
+        "    drop_unique_slot()\n    drop_workflows()\n    drop_flow_control()\n"
+        "    drop_job_history()\n"
         "    drop_uncharged_runs()\n"
         "    drop_leases()\n" in text
     )
@@ -314,3 +322,27 @@ def test_install_on_a_projects_history_without_the_current_tables_points_at_the_
     with engine.connect() as conn:
         assert conn.scalar(sa.text("SELECT version_num FROM alembic_version")) == "app_0001"
     engine.dispose()
+
+
+def test_install_on_a_projects_history_at_sqlap_0010_wants_the_unique_slot_on_mysql(
+    empty_database: Database,
+) -> None:
+    """A project whose own revisions called the helpers up to sqlap_0010: on MySQL and
+    MariaDB its job table lacks the unique slot of sqlap_0011, so install refuses and names
+    `alembic-revision`; once its revision calls add_unique_slot, it is up to date. On the
+    other servers sqlap_0011 changes nothing: up to date at once."""
+    engine = empty_database.engine()
+    with engine.begin() as conn:
+        ops = Operations(MigrationContext.configure(conn))
+        for revision, helpers, _ in spm.REVISION_HELPERS:
+            if revision != "sqlap_0011":
+                for helper in helpers:
+                    getattr(spm, helper)(ops)
+        conn.exec_driver_sql("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL)")
+        conn.exec_driver_sql("INSERT INTO alembic_version VALUES ('app_0001')")
+    if engine.dialect.name in ("mysql", "mariadb"):
+        with pytest.raises(sp.ProletarianError, match=r"app_0001.*alembic-revision"):
+            install_tables(engine)
+        with engine.begin() as conn:
+            spm.add_unique_slot(Operations(MigrationContext.configure(conn)))
+    assert install_tables(engine) == []

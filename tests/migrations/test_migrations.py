@@ -30,7 +30,12 @@ from sqlalchemy.schema import SchemaItem
 
 import sqla_proletarian as sp
 import sqla_proletarian.migrations as spm
-from sqla_proletarian.models import LIBRARY_TABLES
+from sqla_proletarian.models import (
+    LIBRARY_TABLES,
+    UNIQUE_KEY_INDEX,
+    UNIQUE_SLOT_INDEX,
+    compared_on,
+)
 
 if TYPE_CHECKING:
     from conftest import Database
@@ -60,10 +65,23 @@ def only_library_tables(
 
 
 def differences(engine: sa.Engine, metadata: sa.MetaData, include_object: Any = None) -> list[Any]:
-    """What autogenerate would change to make the database match ``metadata``."""
-    options: dict[str, Any] = {"compare_type": True, "compare_server_default": True}
-    if include_object is not None:
-        options["include_object"] = include_object
+    """What autogenerate would change to make the database match ``metadata``, leaving out
+    what the server's schema holds beyond any MetaData (MySQL's unique slot, which
+    ``test_migrated_tables_are_identical_to_what_create_all_makes`` compares)."""
+    on_server = compared_on(engine.dialect)
+
+    def included(
+        obj: SchemaItem, name: str | None, type_: str, reflected: bool, compare_to: Any
+    ) -> bool:
+        return on_server(obj, name, type_, reflected, compare_to) and (
+            include_object is None or include_object(obj, name, type_, reflected, compare_to)
+        )
+
+    options: dict[str, Any] = {
+        "compare_type": True,
+        "compare_server_default": True,
+        "include_object": included,
+    }
     with engine.connect() as connection:
         context = MigrationContext.configure(connection, opts=options)
         return list(compare_metadata(context, metadata))
@@ -282,6 +300,7 @@ from sqla_proletarian.migrations import (
     add_run_owners,
     add_trace_context,
     add_uncharged_runs,
+    add_unique_slot,
     add_workflows,
     create_tables,
     drop_archived_unique_key,
@@ -294,6 +313,7 @@ from sqla_proletarian.migrations import (
     drop_tables,
     drop_trace_context,
     drop_uncharged_runs,
+    drop_unique_slot,
     drop_workflows,
 )
 
@@ -346,12 +366,13 @@ def user_project(root: Path, *, calls_helpers: bool, library_location: bool) -> 
             "create_tables(op); add_run_owners(op); add_enqueue_notifications(op); "
             "add_trace_context(op); add_job_control(op); add_archived_unique_key(op); "
             "add_leases(op); add_uncharged_runs(op); add_job_history(op); add_flow_control(op); "
-            "add_workflows(op)"
+            "add_workflows(op); add_unique_slot(op)"
             if calls_helpers
             else "pass"
         ),
         downgrade_extra=(
-            "drop_workflows(op); drop_flow_control(op); drop_job_history(op); "
+            "drop_unique_slot(op); drop_workflows(op); drop_flow_control(op); "
+            "drop_job_history(op); "
             "drop_uncharged_runs(op); "
             "drop_leases(op); "
             "drop_archived_unique_key(op); "
@@ -708,6 +729,71 @@ def test_upgrading_to_leases_keeps_queued_jobs_and_downgrading_puts_leased_ones_
         ]
         columns = {column["name"] for column in sa.inspect(conn).get_columns("proletarian_job")}
         assert columns == columns_0005
+
+
+def unique_indexes(engine: sa.Engine) -> dict[str, bool]:
+    """The job table's indexes on unique keys: whether each is unique."""
+    indexes = sa.inspect(engine).get_indexes("proletarian_job")
+    return {
+        str(index["name"]): bool(index["unique"])
+        for index in indexes
+        if index["name"] in (UNIQUE_KEY_INDEX, UNIQUE_SLOT_INDEX)
+    }
+
+
+def test_upgrading_to_the_unique_slot_keeps_keyed_jobs_holding_their_keys(
+    empty_database: Database,
+) -> None:
+    """sqlap_0010 -> sqlap_0011 with a keyed and an unkeyed job queued: both stay, and the key
+    is still held (an enqueue with it returns the queued job's id; a failure put back with it
+    stays archived). On MySQL and MariaDB the slot's index holds the keys and the index on
+    (queue, unique_key) is no longer unique; elsewhere nothing changes. Back to sqlap_0010
+    that index is unique again and the jobs stay."""
+    engine = empty_database.engine()
+    config = library_config()
+    run(config, engine, command.upgrade, "sqlap_0010")
+    mysql = engine.dialect.name in ("mysql", "mariadb")
+    assert unique_indexes(engine) == {UNIQUE_KEY_INDEX: True}
+    with engine.begin() as conn:
+        keyed = sp.enqueue(conn, "keyed", queue="q", unique_key="k")
+        unkeyed = sp.enqueue(conn, "unkeyed", queue="q")
+
+    run(config, engine, command.upgrade, "sqlap_0011")
+    assert versions_in_database(engine) == {"sqlap_0011"}
+    assert differences(engine, sp.metadata) == []
+    expected = {UNIQUE_KEY_INDEX: False, UNIQUE_SLOT_INDEX: True} if mysql else None
+    assert unique_indexes(engine) == (expected or {UNIQUE_KEY_INDEX: True})
+    with engine.begin() as conn:
+        assert sp.enqueue(conn, "again", queue="q", unique_key="k") == keyed
+        other_queue = sp.enqueue(conn, "other", queue="q2", unique_key="k")
+    # A failure archived with the key while the keyed job is queued: putting it back meets
+    # the key (the duplicate-key error names the slot's index on MySQL) and leaves it archived.
+    failed = uuid.uuid4()
+    now = sp.utc_now()
+    with engine.begin() as conn:
+        conn.execute(
+            sa.insert(sp.ArchivedJob.__table__).values(
+                job_id=failed,
+                queue="q",
+                job_type="failed",
+                payload="null",
+                attempts=1,
+                enqueued_at=now,
+                process_at=now,
+                status="failure",
+                finished_at=now,
+                run_order=0,
+                snoozes=0,
+                unique_key="k",
+            )
+        )
+    assert sp.retry_failed(engine, [failed]) == 0
+
+    run(config, engine, command.downgrade, "sqlap_0010")
+    assert unique_indexes(engine) == {UNIQUE_KEY_INDEX: True}
+    with engine.connect() as conn:
+        ids = set(conn.execute(sa.select(sp.Job.__table__.c.job_id)).scalars())
+    assert ids == {keyed, unkeyed, other_queue}
 
 
 #: The archive's columns in sqlap_0004.
