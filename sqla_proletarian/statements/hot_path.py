@@ -28,7 +28,7 @@ from sqlalchemy.engine import Dialect as SQLDialect
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.elements import ClauseElement
 
-from sqla_proletarian.dialects import IDLE_LIMITS, Dialect
+from sqla_proletarian.dialects import IDLE_LIMITS, WSREP_SETTINGS, Dialect
 from sqla_proletarian.statements import (
     claim,
     finish,
@@ -445,6 +445,13 @@ def keeper_check(dialect: Dialect) -> Statement:
 def idle_limits(dialect: Dialect) -> Statement:
     """A worker's first claim connection on MariaDB: the session's idle-transaction limits."""
     return text(IDLE_LIMITS), {}
+
+
+@_hot(sent_by=lambda dialect: dialect.name in ("mysql", "mariadb"), name="galera_check")
+def wsrep_settings(dialect: Dialect) -> Statement:
+    """A worker's creation (once per engine) on MySQL and MariaDB: whether the server is a
+    node of a Galera cluster, where transaction mode is refused."""
+    return text(WSREP_SETTINGS), {}
 
 
 # --- a claim's end: transaction mode ----------------------------------------------------------
