@@ -326,8 +326,8 @@ def workers_on_each_node(
             worker.stop()
 
 
-#: Report lines of the fault tests, printed at the end of the run with SP_FAULT_REPORT=1
-#: (each test prints its own, seen with -s).
+#: Report lines of the fault tests, printed at the end of the run (each test prints its own
+#: too, seen with -s).
 REPORT: list[str] = []
 
 
@@ -337,7 +337,7 @@ def report(line: str) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if REPORT and os.environ.get("SP_FAULT_REPORT") == "1":
+    if REPORT:
         terminalreporter.write_sep("=", "galera fault report")
         for line in REPORT:
             terminalreporter.write_line(line)
