@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -158,7 +159,7 @@ def test_a_worker_frozen_past_its_lease_commits_nothing_once_it_wakes_up(
         *("--hang-type", "hang", "--hold-file", str(hold), "--await-cancel", "10", "--signals")
     )
     assert wait_for(lambda: workers.started(job_id, frozen) is not None, 30)
-    os.kill(frozen.pid, signal.SIGSTOP)
+    freeze_outside_its_heartbeat(frozen, engine, job_id)
     try:
         taker = workers.start("--exit-after", "1")
         finish(taker)
@@ -177,6 +178,27 @@ def test_a_worker_frozen_past_its_lease_commits_nothing_once_it_wakes_up(
     [done] = archived(engine)
     assert (done.job_id, done.status, done.attempts) == (job_id, "success", 2)
     assert jobs(engine) == []
+
+
+def freeze_outside_its_heartbeat(
+    process: subprocess.Popen[str], engine: sa.Engine, job_id: uuid.UUID
+) -> None:
+    """SIGSTOP ``process`` at a moment when it holds no lock on the job's row. A heartbeat
+    locks the row for the few milliseconds of its transaction; a worker frozen inside one
+    keeps the row locked, and other workers' claims skip it, until it wakes or the server ends
+    its session: that is not the freeze this scenario is about. Frozen there, it is woken and
+    frozen again a moment later."""
+    locked = (
+        sa.select(sp.Job.job_id).where(sp.Job.job_id == job_id).with_for_update(skip_locked=True)
+    )
+    for _ in range(100):
+        os.kill(process.pid, signal.SIGSTOP)
+        with engine.begin() as conn:
+            if conn.execute(locked).first() is not None:
+                return
+        os.kill(process.pid, signal.SIGCONT)
+        time.sleep(0.03)
+    pytest.fail("the worker held the job's row at each of 100 freezes")
 
 
 def test_a_transaction_mode_worker_takes_over_an_expired_lease_counting_the_killed_run(
