@@ -22,7 +22,7 @@ LEASE_SECONDS = 30.0
 #: The asyncio worker's rows (PostgreSQL): asyncpg in pgqueuer tuned's usual shape (2
 #: processes), at these batch sizes; the best of all but the first is its "best batch_size".
 ASYNC_PROCESSES = 2
-ASYNC_BATCH_SIZES = (1, 50, 100)
+ASYNC_BATCH_SIZES = (1, 50, 100, 200)
 ASYNC_BEST = "sqla-proletarian asyncio worker (asyncpg), best batch_size"
 
 
@@ -50,9 +50,9 @@ class Settings:
     rounds: int = 5
     jobs: int = 10_000
     per_transaction: int = 50
-    batch_sizes: tuple[int, ...] = (10, 50, 100)
+    batch_sizes: tuple[int, ...] = (10, 50, 100, 200)
     #: Lease mode's batched rows: fewer, to keep a whole run under 40 minutes.
-    lease_batch_sizes: tuple[int, ...] = (50,)
+    lease_batch_sizes: tuple[int, ...] = (50, 200)
     sweep_jobs: int = 5_000
     sweep_passes: int = 2
     commits: int = 1_000

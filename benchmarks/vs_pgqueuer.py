@@ -29,7 +29,7 @@ DEFAULTS = {"driver": "asyncpg", "batch_size": 10, "processes": 1}
 #: The share of benchmarks.run's jobs it drains: all (see vs_procrastinate).
 SHARE = 1
 #: The tuning sweep: every combination is drained once, and the fastest is "tuned".
-SWEEP = {"driver": ("asyncpg", "psycopg"), "batch_size": (10, 50, 100), "processes": (1, 2)}
+SWEEP = {"driver": ("asyncpg", "psycopg"), "batch_size": (10, 50, 100, 200), "processes": (1, 2)}
 
 
 async def _driver(dsn: str, driver: str) -> Any:
