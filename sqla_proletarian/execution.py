@@ -70,6 +70,10 @@ class WorkerConnections:
     #: no read first of which may have a due job. A thread's first claim does too, but on
     #: SQLite, where that read keeps an idle claim from taking the write lock.
     claimed_last: bool = False
+    #: Whether a job was announced since (a NOTIFY, an enqueue in this process, another
+    #: thread's claim that may have left jobs due): the next claim polls at once too, with
+    #: no read first, which would cost its own transaction before the job's.
+    announced: bool = False
 
     @property
     def records_on(self) -> Connection:
@@ -294,13 +298,13 @@ class JobRunner(RunnerBase):
     def _claim_one(self, connections: WorkerConnections) -> bool:
         self._clear_orphans(connections)
         queues = self.settings.queues
-        if not connections.claimed_last:
+        if not connections.claimed_last and not connections.announced:
             # After a claim that took nothing, one read of all the queues first: the claim
             # polls only those that may have a due job, and is not made when none may.
             queues = self._queue_ends(connections.conn).to_poll(self.now())
             if not queues:
                 return False
-        connections.claimed_last = False
+        connections.claimed_last = connections.announced = False
         if not self.dialect.claim_takes_write_lock:
             connections.claimed_last = self._process(connections, queues)
             return connections.claimed_last

@@ -316,6 +316,9 @@ class _Poller:
             return Stop(exc)
         return Idle(pause())
 
+    def announced(self) -> None:
+        """A job was announced while the loop waited (Poll: its next claim polls at once)."""
+
     def _succeeded(self, began: float) -> None:
         """A poll that ``began`` then worked: the backoff starts again from the minimum; an
         outage that began before it is over."""
@@ -349,6 +352,11 @@ class Poll(_Poller):
             return self._failed(exc, polling.own_pause)
         self._succeeded(began)
         return decision
+
+    def announced(self) -> None:
+        """A job was announced while the thread was idle: its next claim polls at once."""
+        if self.connections is not None:
+            self.connections.announced = True
 
     def end(self) -> None:
         """The loop is over: hand the watch on, close the connections."""

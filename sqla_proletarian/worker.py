@@ -395,6 +395,8 @@ class QueueWorker:
                 # by it: it sees what woke.
                 if self._turn or self._turn_for is not None:
                     with self._idle_threads:
+                        if self._turn or self._turn_for is threading.current_thread():
+                            poller.announced()
                         self._turn = False
                         if self._turn_for is threading.current_thread():
                             self._turn_for = None
@@ -402,36 +404,39 @@ class QueueWorker:
                     case Backoff(pause):
                         self._stopping.wait(pause)
                     case Idle(pause):
-                        self._idle(wakes, pause)
+                        if self._idle(wakes, pause):
+                            poller.announced()
                     case Stop(error):
                         self._stop_itself(error)
                         return
         finally:
             poller.end()
 
-    def _idle(self, wakes: int, pause: float | None) -> None:
+    def _idle(self, wakes: int, pause: float | None) -> bool:
         """Wait for ``pause`` seconds (None: no limit); stop(), or a wake-up since the poll
-        began (``wakes`` moved on; lease mode: ``_wakeup`` is set), ends the wait early."""
+        began (``wakes`` moved on; lease mode: ``_wakeup`` is set), ends the wait early.
+        True if a wake-up or a turn ended it (a job was announced), not the pause or stop()."""
         if not self._polling.shared_idle:
             assert pause is not None
-            self._wakeup.wait(pause)
+            woken = self._wakeup.wait(pause)
             if not self._stopping.is_set():
                 self._wakeup.clear()
-            return
+            return woken
         deadline = None if pause is None else time.monotonic() + pause
         current = threading.current_thread()
         with self._idle_threads:
             while self._wakes == wakes and not self._stopping.is_set():
                 if self._turn_for is current:
                     self._turn_for = None
-                    return
+                    return True
                 if self._turn:
                     self._turn = False
-                    return
+                    return True
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    return
+                    return False
                 self._idle_threads.wait(remaining)
+            return self._wakes != wakes and not self._stopping.is_set()
 
     def _wake_all(self) -> None:
         """End every idle thread's wait: each polls once."""

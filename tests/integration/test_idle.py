@@ -21,6 +21,7 @@ from helpers import enqueue_committed, events, running, wait_for
 from sqlalchemy.ext.asyncio import create_async_engine
 
 import sqla_proletarian as sp
+from sqla_proletarian import statements
 from sqla_proletarian.wakeups import Listener
 
 #: How long an idle worker's statements are counted.
@@ -130,6 +131,53 @@ def test_with_listen_an_idle_worker_sleeps_and_a_job_enqueued_elsewhere_starts_a
         assert statements.over(WINDOW) == 0  # nor the owner keeper
         enqueue_committed(elsewhere(database), "work")
         assert started.wait(5), "the idle worker slept through a committed job"
+
+
+def test_with_listen_a_notified_job_is_claimed_with_no_read_of_the_queues_first(
+    database: Any, backend: str
+) -> None:
+    """A NOTIFY announces a job: the thread it wakes polls at once, without first reading the
+    ends of its queues (a transaction of its own, before the job's), as an idle worker's
+    timed polls do. Between the enqueue's commit and the handler's start the thread that
+    runs it sends the claim's own statements only."""
+    if backend != "postgresql":
+        pytest.skip("LISTEN/NOTIFY is PostgreSQL's")
+    engine = database.engine()
+    require_listen(engine)
+    ends_read = str(statements.queue_ends(("default",))[0].compile(dialect=engine.dialect))
+    sent: list[tuple[float, str, str]] = []
+    starts: list[tuple[float, str]] = []
+
+    def note(conn: Any, cursor: Any, text: str, *args: Any) -> None:
+        sent.append((time.monotonic(), threading.current_thread().name, text))
+
+    def handler(job_type: str, payload: Any) -> None:
+        starts.append((time.monotonic(), threading.current_thread().name))
+
+    worker = sp.create_queue_worker(engine, handler, worker_threads=4)
+    other = elsewhere(database)
+    sa.event.listen(engine, "before_cursor_execute", note)
+    try:
+        with running(worker):
+            for n in range(3):
+
+                def quiet() -> bool:
+                    return bool(sent) and time.monotonic() - sent[-1][0] > 0.5
+
+                assert wait_for(quiet), "the idle worker kept polling"
+                began = time.monotonic()
+                enqueue_committed(other, "work")
+                assert wait_for(lambda n=n: len(starts) > n), "the notified job did not start"
+                started, runner = starts[n]
+                claim = [text for at, by, text in sent if began <= at <= started and by == runner]
+                assert claim, "no statement claimed the job"
+                if any(ends_read in text for text in claim):
+                    pytest.fail(
+                        "the queues' ends were read before the job's claim:\n"
+                        + "\n".join(" ".join(text.split())[:100] for text in claim)
+                    )
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", note)
 
 
 def test_with_listen_a_job_scheduled_ahead_starts_on_time_though_the_worker_sleeps(
