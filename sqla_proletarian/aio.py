@@ -712,26 +712,30 @@ class AsyncQueueWorker:
                     case Backoff(pause):
                         await _wait(self._stopping, pause)
                     case Idle(pause):
-                        await self._idle(woken, pause)
+                        if await self._idle(woken, pause):
+                            poll.announced()
                     case Stop(error):
                         self._stop_itself(error)
                         return
         finally:
             await greenlet_spawn(poll.end)
 
-    async def _idle(self, woken: asyncio.Event, pause: float | None) -> None:
+    async def _idle(self, woken: asyncio.Event, pause: float | None) -> bool:
         """Wait after an empty poll, for ``pause`` seconds (None: no limit); a wake-up since
-        the poll began (``woken`` is set), or stop(), ends the wait early."""
+        the poll began (``woken`` is set), or stop(), ends the wait early. True if a wake-up
+        ended it (a job was announced: the next claim polls at once)."""
         if not self._polling.shared_idle:
             assert pause is not None
             await _wait(self._wakeup, pause)
+            announced = self._wakeup.is_set() and not self._stopping.is_set()
             if not self._stopping.is_set():
                 self._wakeup.clear()
-            return
+            return announced
         if pause is None:
             await woken.wait()
         else:
             await _wait(woken, pause)
+        return woken.is_set() and not self._stopping.is_set()
 
 
 def _check_concurrency(value: object) -> int:
