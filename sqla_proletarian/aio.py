@@ -87,6 +87,15 @@ _NOT_IN_ASYNCIO = {
     "`await worker.stop()`)",
 }
 _ASYNC_CONTEXT = "sqla_proletarian.async_context"
+#: The field names of each JobContext class (``dataclasses.fields`` builds them anew per call).
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(job: JobContext) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(type(job))
+    if names is None:
+        names = _FIELD_NAMES[type(job)] = tuple(f.name for f in dataclasses.fields(job))
+    return names
 T = TypeVar("T")
 
 
@@ -430,7 +439,7 @@ class AsyncQueueWorker:
         if isinstance(known, AsyncJobContext):
             return known
         # The fields as they are: the job's Session is not made here.
-        values = {f.name: object.__getattribute__(job, f.name) for f in dataclasses.fields(job)}
+        values = {name: object.__getattribute__(job, name) for name in _field_names(job)}
         values["session"] = SessionOnFirstUse(lambda: self._async_session(job))
         loop = asyncio.get_running_loop()
         values["cancel_requested"] = SessionOnFirstUse(
