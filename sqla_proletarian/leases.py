@@ -886,6 +886,8 @@ class LeaseRunner(RunnerBase):
         succeeded (as cancelled where a cancel was requested before), in one transaction;
         the ids it archived as succeeded, and as cancelled."""
         dialect = self.dialect
+        if dialect.deletes_runs_with_job:
+            return self._complete_in_one(runs)
         (locking, params), delete = sql.end_leases(
             [run.job_id for run in runs],
             self._tokens(runs),
@@ -900,7 +902,8 @@ class LeaseRunner(RunnerBase):
             kept = [run for run in held if rows[run.job_id, run.token] is None]
             now = self.now()
             ends: dict[uuid.UUID, str] = {}
-            if kept and self._archive_kept(conn, kept, now):
+            if kept:
+                self._archive_kept(conn, kept, now)
                 ends.update((run.job_id, "success") for run in kept)
             if cancelled:
                 direct.execute(conn, delete, {"ids": sorted(run.job_id for run in cancelled)})
@@ -921,23 +924,40 @@ class LeaseRunner(RunnerBase):
                 workflows.settle(conn, ends, dialect, now)
         return {run.job_id for run in kept}, {run.job_id for run in cancelled}
 
-    def _archive_kept(self, conn: Connection, kept: list[LeasedRun], now: datetime) -> bool:
+    def _complete_in_one(self, runs: list[LeasedRun]) -> tuple[set[uuid.UUID], set[uuid.UUID]]:
+        """``_end_together`` on PostgreSQL: one statement deletes the jobs whose rows still
+        carry their runs' tokens and archives them (``sql.complete_leases``), and what waits
+        for their ends is settled in its transaction."""
+        now = self.now()
+        statement = sql.complete_leases(
+            [(run.job_id, run.token, run.result) for run in runs],
+            now,
+            upsert=self.dialect.archive_upsert,
+        )
+        with self._short_transaction() as conn:
+            rows = list(direct.execute(conn, *statement))
+            ends: dict[uuid.UUID, str] = {row[0]: row[1] for row in rows}
+            # Each row counts the rows waiting for any of the group's ends.
+            if rows and rows[0][2]:
+                workflows.settle(conn, ends, self.dialect, now)
+        cancelled = {job_id for job_id, status in ends.items() if status == "cancelled"}
+        return set(ends) - cancelled, cancelled
+
+    def _archive_kept(self, conn: Connection, kept: list[LeasedRun], now: datetime) -> None:
         """Archive the succeeded runs' jobs from their queue rows (which the completion
-        locked) and remove them, with their results; whether any row waits for their ends
-        (PostgreSQL's archive returns it; elsewhere, assumed)."""
+        locked) and remove them, with their results."""
         dialect = self.dialect
         statements = sql.archive_leased_succeeded(
             sorted(run.job_id for run in kept),
             now,
             upsert=dialect.archive_upsert,
-            returning=dialect.deletes_runs_with_job,
             force_index=dialect.force_index,
         )
-        results = [direct.execute(conn, *statement) for statement in statements]
+        for statement in statements:
+            direct.execute(conn, *statement)
         stored = {run.job_id: run.result for run in kept if run.result is not None}
         if stored:
             direct.execute(conn, *sql.set_results(stored))
-        return len(results) > 1 or any(row[0] for row in results[0])
 
     def _not_completed(self, runs: list[LeasedRun], exc: Exception) -> bool:
         """Deferred successes could not be completed: give their leases back (the jobs run

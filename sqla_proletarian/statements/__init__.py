@@ -100,6 +100,7 @@ from sqla_proletarian.statements.leased import DUE_AT, leased_jobs, lock_to_canc
 from sqla_proletarian.statements.leases import (
     archive_lease,
     cancel_requested,
+    complete_leases,
     end_lease,
     end_leases,
     expire_lease,
@@ -151,6 +152,7 @@ __all__ = [
     "archived_jobs",
     "cancel_requested",
     "claimed_runs",
+    "complete_leases",
     "data_version",
     "delete_archived",
     "delete_failure",

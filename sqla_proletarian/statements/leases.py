@@ -9,13 +9,19 @@ from typing import Any
 
 from sqlalchemy import (
     Executable,
+    String,
+    Text,
     Uuid,
     bindparam,
+    case,
     delete,
     func,
+    literal,
+    null,
     select,
     update,
 )
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.sql.elements import BindParameter
 
 from sqla_proletarian.dialects import ArchiveUpsert
@@ -207,6 +213,92 @@ def end_lease(job_id: uuid.UUID, token: uuid.UUID, *, cancelling: bool = False) 
     a run whose lease another run took removes nothing) and, unless ``cancelling``, no
     cancel was requested."""
     return (_CANCEL_LEASE if cancelling else _END_LEASE), {"job_id": job_id, "token": token}
+
+
+#: The queue columns a job's archive row is made of.
+_ARCHIVED_FROM = (
+    JOB.c.job_id,
+    JOB.c.queue,
+    JOB.c.job_type,
+    JOB.c.payload,
+    JOB.c.attempts,
+    JOB.c.enqueued_at,
+    JOB.c.process_at,
+    JOB.c.due_at,
+    JOB.c.run_order,
+    JOB.c.unique_key,
+    JOB.c.concurrency_key,
+    JOB.c.snoozes,
+)
+
+
+@cache
+def _complete_leases(upsert: ArchiveUpsert, with_results: bool) -> Executable:
+    # The runs' (job id, token, result) triples, one row each (unnests of equal lengths zip).
+    arrays = [("ids", Uuid()), ("tokens", Uuid())] + ([("results", Text())] if with_results else [])
+    ended = select(
+        *(
+            func.unnest(bindparam(name, type_=postgresql.ARRAY(kind))).label(name)
+            for name, kind in arrays
+        )
+    ).cte("ended")
+    result = ended.c.results if with_results else null()
+    done = (
+        delete(JOB)
+        # The ids' array names the job-id index to the planner, whatever it thinks of unnest.
+        .where(JOB.c.job_id == _any("ids"), JOB.c.job_id == ended.c.ids)
+        .where(JOB.c.lease_token == ended.c.tokens)
+        .returning(*_ARCHIVED_FROM, JOB.c.cancel_requested_at, result.label("result"))
+        .cte("done")
+    )
+    cancelled = done.c.cancel_requested_at.is_not(None)
+    rows = select(
+        done.c.job_id,
+        done.c.queue,
+        done.c.job_type,
+        done.c.payload,
+        # The claim counted the run.
+        done.c.attempts,
+        done.c.enqueued_at,
+        func.coalesce(done.c.due_at, done.c.process_at),
+        done.c.run_order,
+        done.c.unique_key,
+        done.c.concurrency_key,
+        done.c.snoozes,
+        case((cancelled, literal("cancelled", String(16))), else_=literal("success", String(16))),
+        bindparam("now", type_=ARCHIVE.c.finished_at.type),
+        null(),
+        case((cancelled, null()), else_=done.c.result),
+    )
+    statement = (
+        _upserted(upsert, rows)
+        .add_cte(done)
+        .returning(ARCHIVE.c.job_id, ARCHIVE.c.status, waiting_for(_any("ids")))
+    )
+    return statement
+
+
+def complete_leases(
+    runs: list[tuple[uuid.UUID, uuid.UUID, str | None]],
+    now: datetime,
+    *,
+    upsert: ArchiveUpsert,
+) -> Statement:
+    """Succeeded runs' jobs ended together in one statement (PostgreSQL's DML CTE): each
+    ``(job id, token, serialized result)`` removed where the job still carries that run's
+    token (the fence: a job whose lease another run took is left as it is) and archived, as
+    succeeded with its result, or as cancelled where a cancel was requested before. Its rows
+    are the jobs archived (``job_id``, ``status``), each with how many rows wait for the
+    ends of the group's jobs (``waiting``)."""
+    with_results = any(result is not None for _, _, result in runs)
+    params: dict[str, Any] = {
+        "ids": [job_id for job_id, _, _ in runs],
+        "tokens": [token for _, token, _ in runs],
+        "now": now,
+    }
+    if with_results:
+        params["results"] = [result for _, _, result in runs]
+    return _complete_leases(upsert, with_results), params
 
 
 _CANCEL_REQUESTED = select(JOB.c.cancel_requested_at).where(*_OWN_LEASE).with_for_update()

@@ -620,12 +620,14 @@ def test_successes_completed_together_are_fenced_one_by_one(
             release.wait(10)
 
     def take_over(conn: sa.Connection, cursor: Any, statement: str, *args: Any) -> None:
-        """Before the first group's lock (the first job's alone, while the second runs):
-        its lease expires and another worker runs the job to its end."""
+        """Before the first group's completion (the first job's alone, while the second
+        runs: its lock, or PostgreSQL's one statement that deletes and archives): its lease
+        expires and another worker runs the job to its end."""
         text = " ".join(statement.split())
         tokens = "lease_token IN" in text or "lease_token = ANY" in text  # a list, or an array
-        grouped_lock = text.startswith("SELECT") and tokens
-        if not grouped_lock or "SKIP LOCKED" in text or fired:
+        grouped_lock = text.startswith("SELECT") and tokens and "SKIP LOCKED" not in text
+        grouped_end = text.startswith("WITH ended AS")
+        if not (grouped_lock or grouped_end) or fired:
             return
         fired.append(text)
         with engine.begin() as other:
