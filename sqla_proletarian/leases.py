@@ -652,12 +652,35 @@ class LeaseRunner(RunnerBase):
         ended: list[tuple[dict[str, Any], str, int, Exception | None]] = []
         runs: list[LeasedRun] = []
         batch = jobs or self._batch_size
+        owner = self._owner()
+        expiry = now + self._lease
+        leasing = None
+        if self.dialect.deletes_runs_with_job:
+            # PostgreSQL: each poll of a queue without limits leases the jobs it locks.
+            leasing = functools.partial(
+                sql.leasing_poll,
+                token=token,
+                owner=owner,
+                now=now,
+                expiry=expiry,
+                with_runs=self._with_runs,
+                unclean_limit=limit,
+            )
         reserved = self._flow.prepare(conn, lambda: now, batch, self.dialect.begin_claim)
         self.dialect.begin_claim(conn)
         try:
             flow = self._flow.begin(conn, reserved)
-            due = poll_queues(conn, queues, now, batch, with_runs=self._with_runs, flow=flow)
+            due = poll_queues(
+                conn, queues, now, batch, with_runs=self._with_runs, flow=flow, leasing=leasing
+            )
+            unleased: list[LeasedRun] = []
             for job in due:
+                if job.pop("leased", False):
+                    # Leased by its poll: no cancel request, no run records, below the limit.
+                    job.pop("runs", None)
+                    expired = job["unclean_ends"] + (job["lease_token"] is not None)
+                    runs.append(LeasedRun(job, token, expired, False, claimed_at=now))
+                    continue
                 records = job.pop("runs", 0)
                 past = ledger.past_runs(
                     self.dialect, conn, job["job_id"], records, self.settings.reconnect_grace
@@ -675,17 +698,16 @@ class LeaseRunner(RunnerBase):
                     )
                     ended.append((job, "failure", runs_so_far, crashed))
                 else:
-                    runs.append(LeasedRun(job, token, unclean, bool(records), claimed_at=now))
+                    unleased.append(LeasedRun(job, token, unclean, bool(records), claimed_at=now))
             for job, status, attempts, error in ended:
                 # The claim holds the row's lock: it removes the job itself.
                 conn.execute(*sql.delete_job(job["job_id"]))
                 self._archive(conn, job, status, attempts, error, with_runs=True)
-            if runs:
-                owner = self._owner()
-                ids = [r.job_id for r in runs]
-                expiry = now + self._lease
+            if unleased:
+                ids = [r.job_id for r in unleased]
                 arrays = self.dialect.id_arrays
                 direct.execute(conn, *sql.lease(ids, token, owner, now, expiry, arrays=arrays))
+                runs.extend(unleased)
             flow.finish(token)
             try:
                 conn.commit()

@@ -631,9 +631,53 @@ def live_jobs(dialect: Dialect) -> Statement:
 
 @_hot({JOB: JOB_ID_INDEX})
 def lease(dialect: Dialect) -> Statement:
-    """Lease mode, every claim: the jobs it locked leased under one token (their ids as an
+    """Lease mode, every claim elsewhere than PostgreSQL (there, of a queue with limits, or of
+    jobs its poll did not lease): the jobs it locked leased under one token (their ids as an
     array where the dialect takes arrays)."""
     return leases.lease(IDS, TOKEN, "owner", NOW, NOW, arrays=dialect.id_arrays)
+
+
+def _register_leasing_polls() -> None:
+    for first in (True, False):
+        for with_runs in (True, False):
+            name = ("leasing_poll_first" if first else "leasing_poll") + (
+                "" if with_runs else "_untracked"
+            )
+            reads: dict[Any, str | tuple[str, ...]] = {
+                # The poll reads its range of the poll index; the lease, the rows it locked.
+                JOB: (POLL_INDEX, JOB_ID_INDEX),
+                PAUSED: PAUSED_KEY,
+                LIMITS: LIMITS_KEY,
+            }
+            if with_runs:
+                reads[RUN] = RUN_JOB_INDEX
+            build = _leasing_poll_builder(first, with_runs)
+            _hot(reads, _deletes_with_job, name)(build)
+
+
+def _leasing_poll_builder(first: bool, with_runs: bool) -> Callable[[Dialect], Statement]:
+    def build(dialect: Dialect) -> Statement:
+        poll = _poll_builder(first, False, with_runs, False)(dialect)
+        limit = 3 if with_runs else None
+        return leases.leasing_poll(
+            poll, TOKEN, "owner", NOW, NOW, with_runs=with_runs, unclean_limit=limit
+        )
+
+    build.__doc__ = (
+        "Lease mode on PostgreSQL, a claim's "
+        + ("first poll" if first else "poll of one priority that has due jobs")
+        + " of a queue without limits, that leases the jobs it locks in the same statement "
+        + (
+            "(but those with a cancel request, run records or too many unclean ends); the "
+            "crash ledger on."
+            if with_runs
+            else "(but those with a cancel request); the crash ledger off."
+        )
+    )
+    return build
+
+
+_register_leasing_polls()
 
 
 def _complete_leases(results: list[str | None], doc: str) -> Callable[[Dialect], Statement]:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import uuid
 from datetime import datetime
 from functools import cache
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import (
     Executable,
+    Select,
     String,
     Text,
     Uuid,
@@ -23,6 +24,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.sql.elements import BindParameter
+from sqlalchemy.sql.visitors import replacement_traverse
 
 from sqla_proletarian.dialects import ArchiveUpsert
 from sqla_proletarian.statements.base import (
@@ -56,23 +58,22 @@ def _held(arrays: bool) -> tuple[Any, Any]:
     return _ids_in(arrays), JOB.c.lease_token == _any("tokens")
 
 
+#: What a lease writes, in this order (MySQL assigns left to right): the count reads the old
+#: token, due_at the old process_at.
+_LEASED: tuple[tuple[Any, Any], ...] = (
+    (JOB.c.unclean_ends, JOB.c.unclean_ends + _EXPIRED_LEASE),
+    (JOB.c.due_at, func.coalesce(JOB.c.due_at, JOB.c.process_at)),
+    (JOB.c.attempts, JOB.c.attempts + 1),
+    (JOB.c.lease_token, _TOKEN),
+    (JOB.c.lease_owner, bindparam("owner")),
+    (JOB.c.heartbeat_at, bindparam("now", type_=JOB.c.process_at.type)),
+    (JOB.c.process_at, bindparam("expiry", type_=JOB.c.process_at.type)),
+)
+
+
 @cache
 def _lease(arrays: bool) -> Executable:
-    return (
-        update(JOB)
-        .where(_ids_in(arrays))
-        .ordered_values(
-            # In this order (MySQL assigns left to right): the count reads the old token, due_at
-            # the old process_at.
-            (JOB.c.unclean_ends, JOB.c.unclean_ends + _EXPIRED_LEASE),
-            (JOB.c.due_at, func.coalesce(JOB.c.due_at, JOB.c.process_at)),
-            (JOB.c.attempts, JOB.c.attempts + 1),
-            (JOB.c.lease_token, _TOKEN),
-            (JOB.c.lease_owner, bindparam("owner")),
-            (JOB.c.heartbeat_at, bindparam("now", type_=JOB.c.process_at.type)),
-            (JOB.c.process_at, bindparam("expiry", type_=JOB.c.process_at.type)),
-        )
-    )
+    return update(JOB).where(_ids_in(arrays)).ordered_values(*_LEASED)
 
 
 def lease(
@@ -89,6 +90,63 @@ def lease(
     (``arrays``: the ids as one array, see Dialect.id_arrays)."""
     values = {"ids": job_ids, "token": token, "owner": owner, "now": now, "expiry": expiry}
     return _lease(arrays), values
+
+
+#: The poll's parameters named as the job table's columns, renamed in a leasing poll: an
+#: UPDATE compiled with parameters of its columns' names would set those columns too.
+_RENAMED = {"queue": "poll_queue", "run_order": "poll_run_order"}
+
+
+def _renamed(element: Any, **kw: Any) -> Any:
+    if isinstance(element, BindParameter) and element.key in _RENAMED:
+        return bindparam(_RENAMED[element.key], type_=element.type)
+    return None
+
+
+@cache
+def _leasing_poll(poll: Select[Any], with_runs: bool, unclean_limit: bool) -> Executable:
+    renamed = cast(Select[Any], replacement_traverse(cast(Any, poll), {}, _renamed))
+    picked = renamed.cte("picked")
+    # The jobs the claim runs as they are: no cancel request, no run records (the crash
+    # ledger's, read one by one), not crashed too often. The others stay locked, unleased.
+    plain: list[Any] = [picked.c.cancel_requested_at.is_(None)]
+    if with_runs:
+        plain.append(picked.c.runs == 0)
+    if unclean_limit:
+        expired = case((picked.c.lease_token.is_(None), 0), else_=1)
+        plain.append(picked.c.unclean_ends + expired < bindparam("unclean_limit"))
+    leased = (
+        update(JOB)
+        .where(JOB.c.job_id == picked.c.job_id, *plain)
+        .ordered_values(*_LEASED)
+        .returning(JOB.c.job_id)
+        .cte("leased")
+    )
+    was_leased = picked.c.job_id.in_(select(leased.c.job_id)).label("leased")
+    return select(*picked.c, was_leased).order_by(picked.c.run_order, picked.c.process_at)
+
+
+def leasing_poll(
+    poll: Statement,
+    token: uuid.UUID,
+    owner: str,
+    now: datetime,
+    expiry: datetime,
+    *,
+    with_runs: bool,
+    unclean_limit: int | None,
+) -> Statement:
+    """A claim's poll (``claim.poll``, ``poll_first``; ``now`` its own) that leases the jobs
+    it locks in the same statement, as ``lease`` does (PostgreSQL's DML CTE), but those the
+    claim looks at first: a cancel requested, run records (``with_runs``), or as many
+    unclean ends as ``unclean_limit``. Its rows are the poll's (the jobs as they were before
+    the lease), each with ``leased``."""
+    statement, params = poll
+    values = {_RENAMED.get(name, name): value for name, value in params.items()}
+    values.update(token=token, owner=owner, now=now, expiry=expiry)
+    if unclean_limit is not None:
+        values["unclean_limit"] = unclean_limit
+    return _leasing_poll(cast(Select[Any], statement), with_runs, unclean_limit is not None), values
 
 
 _LOCK_LEASES = select(JOB.c.job_id).where(*_HELD).with_for_update(skip_locked=True)
