@@ -177,6 +177,47 @@ def test_a_group_ends_with_its_results_and_a_cancel_in_one_statement_on_postgres
         assert all(len(sent) == 1 for sent in completions.sent), completions.sent
 
 
+#: Lease mode's lease of the jobs a claim locked, as a statement of its own.
+SEPARATE_LEASE = re.compile(r"^UPDATE proletarian_job SET unclean_ends=")
+
+
+def test_a_claim_on_postgresql_leases_the_jobs_its_poll_locks_in_the_same_statement(
+    database: Any, engine: sa.Engine
+) -> None:
+    """30 jobs, claimed 10 at a time: on PostgreSQL no claim sends the lease apart from its
+    poll (the poll leases what it locks); elsewhere each claim does. Each job runs once,
+    leased (its attempt counted once), and is archived once."""
+    with Session(engine) as session:
+        sp.enqueue_many(session, [("claimed", n) for n in range(30)])
+        session.commit()
+    sent: list[str] = []
+
+    def executed(conn: sa.Connection, cursor: Any, statement: str, *args: Any) -> None:
+        sent.append(" ".join(statement.split()))
+
+    attempts: Counter[int] = Counter()
+
+    def handler(job: sp.JobContext) -> None:
+        attempts[job.payload] += job.attempts
+
+    worker_engine = database.engine()
+    sa.event.listen(worker_engine, "before_cursor_execute", executed)
+    worker = sp.create_queue_worker(
+        worker_engine, handler, handler_mode="advanced", batch_size=10, **LONG_LEASE
+    )
+    with running(worker):
+        assert wait_for(lambda: count(engine, sp.ArchivedJob) == 30)
+    leases = [text for text in sent if SEPARATE_LEASE.search(text)]
+    if engine.dialect.name == "postgresql":
+        assert leases == []
+    else:
+        assert leases, "a claim leases the jobs it locked in a statement of its own"
+    assert attempts == Counter(dict.fromkeys(range(30), 1))
+    assert {(row.status, row.attempts) for row in archived(engine)} == {("success", 1)}
+    assert worker.summary() == {"succeeded": 30, "retried": 0, "failed": 0}
+    assert jobs(engine) == []
+
+
 def test_a_handler_that_wrote_through_its_session_completes_alone_with_its_writes(
     database: Any, engine: sa.Engine
 ) -> None:
