@@ -106,7 +106,8 @@ def _renamed(element: Any, **kw: Any) -> Any:
 @cache
 def _leasing_poll(poll: Select[Any], with_runs: bool, unclean_limit: bool) -> Executable:
     renamed = cast(Select[Any], replacement_traverse(cast(Any, poll), {}, _renamed))
-    picked = renamed.cte("picked")
+    # With the key the poll orders by last, so that the rows come back in its order.
+    picked = renamed.add_columns(JOB.c.seq.label("poll_seq")).cte("picked")
     # The jobs the claim runs as they are: no cancel request, no run records (the crash
     # ledger's, read one by one), not crashed too often. The others stay locked, unleased.
     plain: list[Any] = [picked.c.cancel_requested_at.is_(None)]
@@ -123,7 +124,10 @@ def _leasing_poll(poll: Select[Any], with_runs: bool, unclean_limit: bool) -> Ex
         .cte("leased")
     )
     was_leased = picked.c.job_id.in_(select(leased.c.job_id)).label("leased")
-    return select(*picked.c, was_leased).order_by(picked.c.run_order, picked.c.process_at)
+    columns = [column for column in picked.c if column.key != "poll_seq"]
+    return select(*columns, was_leased).order_by(
+        picked.c.run_order, picked.c.process_at, picked.c.poll_seq
+    )
 
 
 def leasing_poll(
