@@ -811,10 +811,10 @@ class LeaseRunner(RunnerBase):
         """Write the run's outcome, fenced by its token; the outcome to count, if any (a
         success whose session wrote nothing goes to ``defer`` instead, to be completed with
         others)."""
-        fields = self._fields(run.job)
         if not run.begin_ending():
             # Timed out (the outcome is written) or released by a stop that gave up.
             session.release()
+            fields = self._fields(run.job)
             log_event(logging.INFO, "late-handler-discarded", **fields, reason=run.signal.reason)
             if not run.released and run.signal.reason == "stopping":
                 # The release waited for this session (SQLite's write lock): now it can go.
@@ -853,7 +853,7 @@ class LeaseRunner(RunnerBase):
         log_event(
             logging.WARNING,
             "handle-job-exception",
-            **fields,
+            **self._fields(run.job),
             error=repr(error),
             traceback=describe(error),
         )
