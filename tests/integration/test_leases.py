@@ -599,6 +599,22 @@ def test_a_batched_lease_claim_runs_each_job_once_each_completed_with_its_own_wr
     assert worker.summary() == {"succeeded": 60, "retried": 1, "failed": 0}
 
 
+def test_a_batched_lease_claim_runs_jobs_due_together_in_enqueue_order(
+    engine: sa.Engine,
+) -> None:
+    """12 jobs enqueued in one statement (one due time) and claimed 5 at a time under leases
+    (SQLite: one): they run in the order they were enqueued, each once."""
+    with engine.begin() as conn:
+        sp.enqueue_many(conn, [("ordered", n) for n in range(12)])
+    ran: list[int] = []
+    while sp.process_next_job(
+        engine, lambda job_type, n: ran.append(n), batch_size=5, **LONG_LEASE
+    ):
+        pass
+    assert ran == list(range(12))
+    assert {(row.status, row.attempts) for row in archived(engine)} == {("success", 1)}
+
+
 def test_successes_completed_together_are_fenced_one_by_one(
     database: Any, engine: sa.Engine
 ) -> None:
