@@ -9,7 +9,7 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -120,11 +120,13 @@ def poll_due_jobs(
     with_runs: bool,
     excluding: list[uuid.UUID] | None = None,
     limited: bool = False,
+    leasing: Callable[[sql.Statement], sql.Statement] | None = None,
 ) -> list[dict[str, Any]]:
     """Lock up to ``limit`` due jobs of a queue in claim order: its priorities that have a
     due job (hops through the poll index, one or two entries a priority, so jobs scheduled
     for later are never read), then each in turn, highest first, until ``limit`` are locked
-    (``excluding`` some).
+    (``excluding`` some). ``leasing`` makes each poll one that leases what it locks too (see
+    ``sql.leasing_poll``).
 
     Where the server allows, the first poll finds the first due priority itself; the
     priorities are read only when it locks fewer than ``limit``: then the polls go on past
@@ -137,6 +139,8 @@ def poll_due_jobs(
         first = sql.poll_first(
             queue, now, limit, with_runs=with_runs, excluding=excluding, limited=limited
         )
+        if leasing is not None:
+            first = leasing(first)
         jobs.extend(direct.execute(conn, *first).mappings())
         if len(jobs) == limit:
             return jobs
@@ -154,6 +158,8 @@ def poll_due_jobs(
             excluding=excluding,
             limited=limited,
         )
+        if leasing is not None:
+            poll = leasing(poll)
         jobs.extend(direct.execute(conn, *poll).mappings())
         if len(jobs) == limit:
             break
@@ -169,11 +175,13 @@ def poll_queues(
     with_runs: bool,
     excluding: list[uuid.UUID] | None = None,
     flow: FlowClaim | None = None,
+    leasing: Callable[[sql.Statement], sql.Statement] | None = None,
 ) -> list[dict[str, Any]]:
     """Lock up to ``limit`` due jobs of several queues in the order given: the first queue's
     (``poll_due_jobs``), then, while fewer than ``limit`` are locked, the next queue's. Each
     queue is polled on its own range of the poll index. A queue with limits is claimed as
-    they allow (``flow``); a claim that comes back short looks for limits it did not know."""
+    they allow (``flow``); a claim that comes back short looks for limits it did not know.
+    ``leasing``: the polls of queues without limits lease what they lock (lease mode)."""
     jobs: list[dict[str, Any]] = []
     for queue in queues:
         left = limit - len(jobs)
@@ -190,7 +198,9 @@ def poll_queues(
         else:
             found = None
         if found is None:  # no limits (any more)
-            found = poll_due_jobs(conn, queue, now, left, with_runs=with_runs, excluding=excluding)
+            found = poll_due_jobs(
+                conn, queue, now, left, with_runs=with_runs, excluding=excluding, leasing=leasing
+            )
         jobs.extend(found)
         if len(jobs) == limit:
             break

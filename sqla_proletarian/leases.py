@@ -652,12 +652,35 @@ class LeaseRunner(RunnerBase):
         ended: list[tuple[dict[str, Any], str, int, Exception | None]] = []
         runs: list[LeasedRun] = []
         batch = jobs or self._batch_size
+        owner = self._owner()
+        expiry = now + self._lease
+        leasing = None
+        if self.dialect.deletes_runs_with_job:
+            # PostgreSQL: each poll of a queue without limits leases the jobs it locks.
+            leasing = functools.partial(
+                sql.leasing_poll,
+                token=token,
+                owner=owner,
+                now=now,
+                expiry=expiry,
+                with_runs=self._with_runs,
+                unclean_limit=limit,
+            )
         reserved = self._flow.prepare(conn, lambda: now, batch, self.dialect.begin_claim)
         self.dialect.begin_claim(conn)
         try:
             flow = self._flow.begin(conn, reserved)
-            due = poll_queues(conn, queues, now, batch, with_runs=self._with_runs, flow=flow)
+            due = poll_queues(
+                conn, queues, now, batch, with_runs=self._with_runs, flow=flow, leasing=leasing
+            )
+            unleased: list[LeasedRun] = []
             for job in due:
+                if job.pop("leased", False):
+                    # Leased by its poll: no cancel request, no run records, below the limit.
+                    job.pop("runs", None)
+                    expired = job["unclean_ends"] + (job["lease_token"] is not None)
+                    runs.append(LeasedRun(job, token, expired, False, claimed_at=now))
+                    continue
                 records = job.pop("runs", 0)
                 past = ledger.past_runs(
                     self.dialect, conn, job["job_id"], records, self.settings.reconnect_grace
@@ -675,17 +698,16 @@ class LeaseRunner(RunnerBase):
                     )
                     ended.append((job, "failure", runs_so_far, crashed))
                 else:
-                    runs.append(LeasedRun(job, token, unclean, bool(records), claimed_at=now))
+                    unleased.append(LeasedRun(job, token, unclean, bool(records), claimed_at=now))
             for job, status, attempts, error in ended:
                 # The claim holds the row's lock: it removes the job itself.
                 conn.execute(*sql.delete_job(job["job_id"]))
                 self._archive(conn, job, status, attempts, error, with_runs=True)
-            if runs:
-                owner = self._owner()
-                ids = [r.job_id for r in runs]
-                expiry = now + self._lease
+            if unleased:
+                ids = [r.job_id for r in unleased]
                 arrays = self.dialect.id_arrays
                 direct.execute(conn, *sql.lease(ids, token, owner, now, expiry, arrays=arrays))
+                runs.extend(unleased)
             flow.finish(token)
             try:
                 conn.commit()
@@ -789,10 +811,10 @@ class LeaseRunner(RunnerBase):
         """Write the run's outcome, fenced by its token; the outcome to count, if any (a
         success whose session wrote nothing goes to ``defer`` instead, to be completed with
         others)."""
-        fields = self._fields(run.job)
         if not run.begin_ending():
             # Timed out (the outcome is written) or released by a stop that gave up.
             session.release()
+            fields = self._fields(run.job)
             log_event(logging.INFO, "late-handler-discarded", **fields, reason=run.signal.reason)
             if not run.released and run.signal.reason == "stopping":
                 # The release waited for this session (SQLite's write lock): now it can go.
@@ -831,7 +853,7 @@ class LeaseRunner(RunnerBase):
         log_event(
             logging.WARNING,
             "handle-job-exception",
-            **fields,
+            **self._fields(run.job),
             error=repr(error),
             traceback=describe(error),
         )
@@ -886,6 +908,8 @@ class LeaseRunner(RunnerBase):
         succeeded (as cancelled where a cancel was requested before), in one transaction;
         the ids it archived as succeeded, and as cancelled."""
         dialect = self.dialect
+        if dialect.deletes_runs_with_job:
+            return self._complete_in_one(runs)
         (locking, params), delete = sql.end_leases(
             [run.job_id for run in runs],
             self._tokens(runs),
@@ -900,7 +924,8 @@ class LeaseRunner(RunnerBase):
             kept = [run for run in held if rows[run.job_id, run.token] is None]
             now = self.now()
             ends: dict[uuid.UUID, str] = {}
-            if kept and self._archive_kept(conn, kept, now):
+            if kept:
+                self._archive_kept(conn, kept, now)
                 ends.update((run.job_id, "success") for run in kept)
             if cancelled:
                 direct.execute(conn, delete, {"ids": sorted(run.job_id for run in cancelled)})
@@ -921,23 +946,40 @@ class LeaseRunner(RunnerBase):
                 workflows.settle(conn, ends, dialect, now)
         return {run.job_id for run in kept}, {run.job_id for run in cancelled}
 
-    def _archive_kept(self, conn: Connection, kept: list[LeasedRun], now: datetime) -> bool:
+    def _complete_in_one(self, runs: list[LeasedRun]) -> tuple[set[uuid.UUID], set[uuid.UUID]]:
+        """``_end_together`` on PostgreSQL: one statement deletes the jobs whose rows still
+        carry their runs' tokens and archives them (``sql.complete_leases``), and what waits
+        for their ends is settled in its transaction."""
+        now = self.now()
+        statement = sql.complete_leases(
+            [(run.job_id, run.token, run.result) for run in runs],
+            now,
+            upsert=self.dialect.archive_upsert,
+        )
+        with self._short_transaction() as conn:
+            rows = list(direct.execute(conn, *statement))
+            ends: dict[uuid.UUID, str] = {row[0]: row[1] for row in rows}
+            # Each row counts the rows waiting for any of the group's ends.
+            if rows and rows[0][2]:
+                workflows.settle(conn, ends, self.dialect, now)
+        cancelled = {job_id for job_id, status in ends.items() if status == "cancelled"}
+        return set(ends) - cancelled, cancelled
+
+    def _archive_kept(self, conn: Connection, kept: list[LeasedRun], now: datetime) -> None:
         """Archive the succeeded runs' jobs from their queue rows (which the completion
-        locked) and remove them, with their results; whether any row waits for their ends
-        (PostgreSQL's archive returns it; elsewhere, assumed)."""
+        locked) and remove them, with their results."""
         dialect = self.dialect
         statements = sql.archive_leased_succeeded(
             sorted(run.job_id for run in kept),
             now,
             upsert=dialect.archive_upsert,
-            returning=dialect.deletes_runs_with_job,
             force_index=dialect.force_index,
         )
-        results = [direct.execute(conn, *statement) for statement in statements]
+        for statement in statements:
+            direct.execute(conn, *statement)
         stored = {run.job_id: run.result for run in kept if run.result is not None}
         if stored:
             direct.execute(conn, *sql.set_results(stored))
-        return len(results) > 1 or any(row[0] for row in results[0])
 
     def _not_completed(self, runs: list[LeasedRun], exc: Exception) -> bool:
         """Deferred successes could not be completed: give their leases back (the jobs run

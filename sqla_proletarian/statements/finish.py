@@ -158,15 +158,13 @@ def _upserted(upsert: ArchiveUpsert, rows: Select[Any] | None = None) -> Insert:
 
 
 @cache
-def _succeeded_returning(upsert: ArchiveUpsert, leased: bool = False) -> Executable:
+def _succeeded_returning(upsert: ArchiveUpsert) -> Executable:
     done = delete(JOB).where(JOB.c.job_id == _any("ids")).returning(*JOB_COLUMNS).cte("done")
-    statement = _upserted(upsert, _as_archived(done.c, leased)).add_cte(done)
-    if not leased:
-        # Two deletes, each through its index: an OR of both reads the whole table where the
-        # planner has no statistics (a table never analyzed).
-        ended = delete(RUN).where(RUN.c.job_id == _any("ended")).cte("ended_runs")
-        own = delete(RUN).where(RUN.c.run_id == _any("own")).cte("own_runs")
-        statement = statement.add_cte(ended).add_cte(own)
+    # Two deletes, each through its index: an OR of both reads the whole table where the
+    # planner has no statistics (a table never analyzed).
+    ended = delete(RUN).where(RUN.c.job_id == _any("ended")).cte("ended_runs")
+    own = delete(RUN).where(RUN.c.run_id == _any("own")).cte("own_runs")
+    statement = _upserted(upsert, _as_archived(done.c)).add_cte(done).add_cte(ended).add_cte(own)
     statement = statement.returning(waiting_for(_any("ids")))
     return statement.execution_options(preserve_rowcount=True)
 
@@ -228,15 +226,13 @@ def archive_leased_succeeded(
     now: datetime,
     *,
     upsert: ArchiveUpsert,
-    returning: bool,
     force_index: bool = False,
 ) -> list[Statement]:
     """Archive leased jobs that succeeded (their claim counted the run, and their rows are
     locked by the completion, which checked their tokens) from their queue rows and remove
-    them: as ``archive_succeeded``, with no run records (a job that has some completes on
-    its own)."""
-    if returning:
-        return [(_succeeded_returning(upsert, leased=True), {"ids": job_ids, "now": now})]
+    them, with no run records (a job that has some completes on its own): an ``INSERT ...
+    SELECT`` and a delete, each reading the jobs' index (named, with ``force_index``).
+    PostgreSQL ends such a group in one statement instead (``leases.complete_leases``)."""
     return [
         (_succeeded_copy(upsert, force_index, leased=True), {"ids": job_ids, "now": now}),
         (_delete_by(JOB, ("job_id",), "ids", force_index), {"ids": job_ids}),

@@ -493,8 +493,8 @@ def archive_succeeded_copy(dialect: Dialect) -> Statement:
 
 @_hot({JOB: JOB_ID_INDEX})
 def delete_jobs(dialect: Dialect) -> Statement:
-    """The end of a claim with succeeded jobs on MySQL and MariaDB, after their copy; lease
-    mode's grouped ends everywhere: the jobs' rows."""
+    """The end of a claim with succeeded jobs on MySQL and MariaDB, after their copy (in lease
+    mode too, its grouped ends): the jobs' rows."""
     _, delete = leases.end_leases(IDS, [TOKEN], force_index=dialect.force_index)
     return delete, {"ids": IDS}
 
@@ -631,44 +631,102 @@ def live_jobs(dialect: Dialect) -> Statement:
 
 @_hot({JOB: JOB_ID_INDEX})
 def lease(dialect: Dialect) -> Statement:
-    """Lease mode, every claim: the jobs it locked leased under one token (their ids as an
+    """Lease mode, every claim elsewhere than PostgreSQL (there, of a queue with limits, or of
+    jobs its poll did not lease): the jobs it locked leased under one token (their ids as an
     array where the dialect takes arrays)."""
     return leases.lease(IDS, TOKEN, "owner", NOW, NOW, arrays=dialect.id_arrays)
 
 
-@_hot({JOB: JOB_ID_INDEX})
+def _register_leasing_polls() -> None:
+    for first in (True, False):
+        for with_runs in (True, False):
+            name = ("leasing_poll_first" if first else "leasing_poll") + (
+                "" if with_runs else "_untracked"
+            )
+            reads: dict[Any, str | tuple[str, ...]] = {
+                # The poll reads its range of the poll index; the lease, the rows it locked.
+                JOB: (POLL_INDEX, JOB_ID_INDEX),
+                PAUSED: PAUSED_KEY,
+                LIMITS: LIMITS_KEY,
+            }
+            if with_runs:
+                reads[RUN] = RUN_JOB_INDEX
+            build = _leasing_poll_builder(first, with_runs)
+            _hot(reads, _deletes_with_job, name)(build)
+
+
+def _leasing_poll_builder(first: bool, with_runs: bool) -> Callable[[Dialect], Statement]:
+    def build(dialect: Dialect) -> Statement:
+        poll = _poll_builder(first, False, with_runs, False)(dialect)
+        limit = 3 if with_runs else None
+        return leases.leasing_poll(
+            poll, TOKEN, "owner", NOW, NOW, with_runs=with_runs, unclean_limit=limit
+        )
+
+    build.__doc__ = (
+        "Lease mode on PostgreSQL, a claim's "
+        + ("first poll" if first else "poll of one priority that has due jobs")
+        + " of a queue without limits, that leases the jobs it locks in the same statement "
+        + (
+            "(but those with a cancel request, run records or too many unclean ends); the "
+            "crash ledger on."
+            if with_runs
+            else "(but those with a cancel request); the crash ledger off."
+        )
+    )
+    return build
+
+
+_register_leasing_polls()
+
+
+def _complete_leases(results: list[str | None], doc: str) -> Callable[[Dialect], Statement]:
+    def build(dialect: Dialect) -> Statement:
+        runs = [(job_id, TOKEN, result) for job_id, result in zip(IDS, results, strict=False)]
+        return leases.complete_leases(runs, NOW, upsert=dialect.archive_upsert)
+
+    build.__doc__ = doc
+    return build
+
+
+_COMPLETE_LEASES_READS: dict[Any, str | tuple[str, ...]] = {
+    JOB: JOB_ID_INDEX,
+    DEPENDENCY: (DEPENDS_ON_INDEX, PENDING_INDEX),
+}
+_hot(_COMPLETE_LEASES_READS, _deletes_with_job, "complete_leases")(
+    _complete_leases(
+        [None, None],
+        "Lease mode's grouped ends on PostgreSQL: one statement deletes the succeeded jobs "
+        "that still carry their runs' tokens, archives them (as cancelled where a cancel was "
+        "requested) and counts the rows waiting for them.",
+    )
+)
+_hot(_COMPLETE_LEASES_READS, _deletes_with_job, "complete_leases_results")(
+    _complete_leases(
+        ["1", None],
+        "Lease mode's grouped ends on PostgreSQL where a handler returned a result: as "
+        "``complete_leases``, the results archived with their jobs.",
+    )
+)
+
+
+@_hot({JOB: JOB_ID_INDEX}, _copies_to_archive)
 def end_leases(dialect: Dialect) -> Statement:
-    """Lease mode, succeeded jobs ended together: those still carrying their tokens, locked
-    (then ``archive_leased_succeeded``)."""
+    """Lease mode's grouped ends on MySQL and MariaDB: the succeeded jobs still carrying
+    their tokens, locked (then ``archive_leased_succeeded_copy``)."""
     locking, _ = leases.end_leases(
         IDS, [TOKEN], force_index=dialect.force_index, arrays=dialect.id_arrays
     )
     return locking
 
 
-def _archive_leased_succeeded(dialect: Dialect) -> list[Statement]:
-    return finish.archive_leased_succeeded(
-        IDS,
-        NOW,
-        upsert=dialect.archive_upsert,
-        returning=dialect.deletes_runs_with_job,
-        force_index=dialect.force_index,
-    )
-
-
-@_hot({JOB: JOB_ID_INDEX, DEPENDENCY: (DEPENDS_ON_INDEX, PENDING_INDEX)}, _deletes_with_job)
-def archive_leased_succeeded(dialect: Dialect) -> Statement:
-    """Lease mode's grouped ends on PostgreSQL: one statement deletes the succeeded jobs
-    whose leases it locked, archives them and counts the rows waiting for them."""
-    (statement,) = _archive_leased_succeeded(dialect)
-    return statement
-
-
 @_hot({JOB: JOB_ID_INDEX}, _copies_to_archive)
 def archive_leased_succeeded_copy(dialect: Dialect) -> Statement:
     """Lease mode's grouped ends on MySQL and MariaDB: the succeeded jobs' archive rows,
     copied from their queue rows (then ``delete_jobs``)."""
-    return _archive_leased_succeeded(dialect)[0]
+    return finish.archive_leased_succeeded(
+        IDS, NOW, upsert=dialect.archive_upsert, force_index=dialect.force_index
+    )[0]
 
 
 def _archive_lease(status: str, doc: str) -> Callable[[Dialect], Statement]:

@@ -5,18 +5,26 @@ from __future__ import annotations
 import uuid
 from datetime import datetime
 from functools import cache
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import (
     Executable,
+    Select,
+    String,
+    Text,
     Uuid,
     bindparam,
+    case,
     delete,
     func,
+    literal,
+    null,
     select,
     update,
 )
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.sql.elements import BindParameter
+from sqlalchemy.sql.visitors import replacement_traverse
 
 from sqla_proletarian.dialects import ArchiveUpsert
 from sqla_proletarian.statements.base import (
@@ -50,23 +58,22 @@ def _held(arrays: bool) -> tuple[Any, Any]:
     return _ids_in(arrays), JOB.c.lease_token == _any("tokens")
 
 
+#: What a lease writes, in this order (MySQL assigns left to right): the count reads the old
+#: token, due_at the old process_at.
+_LEASED: tuple[tuple[Any, Any], ...] = (
+    (JOB.c.unclean_ends, JOB.c.unclean_ends + _EXPIRED_LEASE),
+    (JOB.c.due_at, func.coalesce(JOB.c.due_at, JOB.c.process_at)),
+    (JOB.c.attempts, JOB.c.attempts + 1),
+    (JOB.c.lease_token, _TOKEN),
+    (JOB.c.lease_owner, bindparam("owner")),
+    (JOB.c.heartbeat_at, bindparam("now", type_=JOB.c.process_at.type)),
+    (JOB.c.process_at, bindparam("expiry", type_=JOB.c.process_at.type)),
+)
+
+
 @cache
 def _lease(arrays: bool) -> Executable:
-    return (
-        update(JOB)
-        .where(_ids_in(arrays))
-        .ordered_values(
-            # In this order (MySQL assigns left to right): the count reads the old token, due_at
-            # the old process_at.
-            (JOB.c.unclean_ends, JOB.c.unclean_ends + _EXPIRED_LEASE),
-            (JOB.c.due_at, func.coalesce(JOB.c.due_at, JOB.c.process_at)),
-            (JOB.c.attempts, JOB.c.attempts + 1),
-            (JOB.c.lease_token, _TOKEN),
-            (JOB.c.lease_owner, bindparam("owner")),
-            (JOB.c.heartbeat_at, bindparam("now", type_=JOB.c.process_at.type)),
-            (JOB.c.process_at, bindparam("expiry", type_=JOB.c.process_at.type)),
-        )
-    )
+    return update(JOB).where(_ids_in(arrays)).ordered_values(*_LEASED)
 
 
 def lease(
@@ -83,6 +90,67 @@ def lease(
     (``arrays``: the ids as one array, see Dialect.id_arrays)."""
     values = {"ids": job_ids, "token": token, "owner": owner, "now": now, "expiry": expiry}
     return _lease(arrays), values
+
+
+#: The poll's parameters named as the job table's columns, renamed in a leasing poll: an
+#: UPDATE compiled with parameters of its columns' names would set those columns too.
+_RENAMED = {"queue": "poll_queue", "run_order": "poll_run_order"}
+
+
+def _renamed(element: Any, **kw: Any) -> Any:
+    if isinstance(element, BindParameter) and element.key in _RENAMED:
+        return bindparam(_RENAMED[element.key], type_=element.type)
+    return None
+
+
+@cache
+def _leasing_poll(poll: Select[Any], with_runs: bool, unclean_limit: bool) -> Executable:
+    renamed = cast(Select[Any], replacement_traverse(cast(Any, poll), {}, _renamed))
+    # With the key the poll orders by last, so that the rows come back in its order.
+    picked = renamed.add_columns(JOB.c.seq.label("poll_seq")).cte("picked")
+    # The jobs the claim runs as they are: no cancel request, no run records (the crash
+    # ledger's, read one by one), not crashed too often. The others stay locked, unleased.
+    plain: list[Any] = [picked.c.cancel_requested_at.is_(None)]
+    if with_runs:
+        plain.append(picked.c.runs == 0)
+    if unclean_limit:
+        expired = case((picked.c.lease_token.is_(None), 0), else_=1)
+        plain.append(picked.c.unclean_ends + expired < bindparam("unclean_limit"))
+    leased = (
+        update(JOB)
+        .where(JOB.c.job_id == picked.c.job_id, *plain)
+        .ordered_values(*_LEASED)
+        .returning(JOB.c.job_id)
+        .cte("leased")
+    )
+    was_leased = picked.c.job_id.in_(select(leased.c.job_id)).label("leased")
+    columns = [column for column in picked.c if column.key != "poll_seq"]
+    return select(*columns, was_leased).order_by(
+        picked.c.run_order, picked.c.process_at, picked.c.poll_seq
+    )
+
+
+def leasing_poll(
+    poll: Statement,
+    token: uuid.UUID,
+    owner: str,
+    now: datetime,
+    expiry: datetime,
+    *,
+    with_runs: bool,
+    unclean_limit: int | None,
+) -> Statement:
+    """A claim's poll (``claim.poll``, ``poll_first``; ``now`` its own) that leases the jobs
+    it locks in the same statement, as ``lease`` does (PostgreSQL's DML CTE), but those the
+    claim looks at first: a cancel requested, run records (``with_runs``), or as many
+    unclean ends as ``unclean_limit``. Its rows are the poll's (the jobs as they were before
+    the lease), each with ``leased``."""
+    statement, params = poll
+    values = {_RENAMED.get(name, name): value for name, value in params.items()}
+    values.update(token=token, owner=owner, now=now, expiry=expiry)
+    if unclean_limit is not None:
+        values["unclean_limit"] = unclean_limit
+    return _leasing_poll(cast(Select[Any], statement), with_runs, unclean_limit is not None), values
 
 
 _LOCK_LEASES = select(JOB.c.job_id).where(*_HELD).with_for_update(skip_locked=True)
@@ -207,6 +275,92 @@ def end_lease(job_id: uuid.UUID, token: uuid.UUID, *, cancelling: bool = False) 
     a run whose lease another run took removes nothing) and, unless ``cancelling``, no
     cancel was requested."""
     return (_CANCEL_LEASE if cancelling else _END_LEASE), {"job_id": job_id, "token": token}
+
+
+#: The queue columns a job's archive row is made of.
+_ARCHIVED_FROM = (
+    JOB.c.job_id,
+    JOB.c.queue,
+    JOB.c.job_type,
+    JOB.c.payload,
+    JOB.c.attempts,
+    JOB.c.enqueued_at,
+    JOB.c.process_at,
+    JOB.c.due_at,
+    JOB.c.run_order,
+    JOB.c.unique_key,
+    JOB.c.concurrency_key,
+    JOB.c.snoozes,
+)
+
+
+@cache
+def _complete_leases(upsert: ArchiveUpsert, with_results: bool) -> Executable:
+    # The runs' (job id, token, result) triples, one row each (unnests of equal lengths zip).
+    arrays = [("ids", Uuid()), ("tokens", Uuid())] + ([("results", Text())] if with_results else [])
+    ended = select(
+        *(
+            func.unnest(bindparam(name, type_=postgresql.ARRAY(kind))).label(name)
+            for name, kind in arrays
+        )
+    ).cte("ended")
+    result = ended.c.results if with_results else null()
+    done = (
+        delete(JOB)
+        # The ids' array names the job-id index to the planner, whatever it thinks of unnest.
+        .where(JOB.c.job_id == _any("ids"), JOB.c.job_id == ended.c.ids)
+        .where(JOB.c.lease_token == ended.c.tokens)
+        .returning(*_ARCHIVED_FROM, JOB.c.cancel_requested_at, result.label("result"))
+        .cte("done")
+    )
+    cancelled = done.c.cancel_requested_at.is_not(None)
+    rows = select(
+        done.c.job_id,
+        done.c.queue,
+        done.c.job_type,
+        done.c.payload,
+        # The claim counted the run.
+        done.c.attempts,
+        done.c.enqueued_at,
+        func.coalesce(done.c.due_at, done.c.process_at),
+        done.c.run_order,
+        done.c.unique_key,
+        done.c.concurrency_key,
+        done.c.snoozes,
+        case((cancelled, literal("cancelled", String(16))), else_=literal("success", String(16))),
+        bindparam("now", type_=ARCHIVE.c.finished_at.type),
+        null(),
+        case((cancelled, null()), else_=done.c.result),
+    )
+    statement = (
+        _upserted(upsert, rows)
+        .add_cte(done)
+        .returning(ARCHIVE.c.job_id, ARCHIVE.c.status, waiting_for(_any("ids")))
+    )
+    return statement
+
+
+def complete_leases(
+    runs: list[tuple[uuid.UUID, uuid.UUID, str | None]],
+    now: datetime,
+    *,
+    upsert: ArchiveUpsert,
+) -> Statement:
+    """Succeeded runs' jobs ended together in one statement (PostgreSQL's DML CTE): each
+    ``(job id, token, serialized result)`` removed where the job still carries that run's
+    token (the fence: a job whose lease another run took is left as it is) and archived, as
+    succeeded with its result, or as cancelled where a cancel was requested before. Its rows
+    are the jobs archived (``job_id``, ``status``), each with how many rows wait for the
+    ends of the group's jobs (``waiting``)."""
+    with_results = any(result is not None for _, _, result in runs)
+    params: dict[str, Any] = {
+        "ids": [job_id for job_id, _, _ in runs],
+        "tokens": [token for _, token, _ in runs],
+        "now": now,
+    }
+    if with_results:
+        params["results"] = [result for _, _, result in runs]
+    return _complete_leases(upsert, with_results), params
 
 
 _CANCEL_REQUESTED = select(JOB.c.cancel_requested_at).where(*_OWN_LEASE).with_for_update()

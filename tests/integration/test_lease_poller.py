@@ -112,6 +112,112 @@ def test_successes_that_wrote_nothing_complete_together_in_few_transactions(
     assert jobs(engine) == []
 
 
+class Completions:
+    """The statements of each of a worker's transactions that deleted jobs (its completions)."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self.sent: list[list[str]] = []
+        self._lock = threading.Lock()
+        sa.event.listen(engine, "before_cursor_execute", self._executed)
+        sa.event.listen(engine, "commit", self._committed)
+        sa.event.listen(engine, "rollback", self._rolled_back)
+
+    def _executed(self, conn: sa.Connection, cursor: Any, statement: str, *args: Any) -> None:
+        conn.info.setdefault("sp-test-sent", []).append(" ".join(statement.split()))
+
+    def _committed(self, conn: sa.Connection) -> None:
+        sent = conn.info.pop("sp-test-sent", [])
+        if any(DELETES_JOBS.search(text) for text in sent):
+            with self._lock:
+                self.sent.append(sent)
+
+    def _rolled_back(self, conn: sa.Connection) -> None:
+        conn.info.pop("sp-test-sent", None)
+
+
+def test_a_group_ends_with_its_results_and_a_cancel_in_one_statement_on_postgresql(
+    database: Any, engine: sa.Engine
+) -> None:
+    """40 jobs on 4 threads whose handlers return without using job.session, most with a
+    result, one cancelled while it runs: each is archived once, with its result (the
+    cancelled one as cancelled, with none); on PostgreSQL each grouped completion is one
+    statement (it locked the group's rows first, then archived them, then stored the
+    results), elsewhere the lock, the copy and the delete."""
+    with Session(engine) as session:
+        ids = sp.enqueue_many(session, [("result", n) for n in range(40)])
+        session.commit()
+    cancelled = ids[7]
+
+    def handler(job: sp.JobContext) -> Any:
+        if job.job_id == cancelled:
+            with engine.begin() as conn:
+                assert sp.cancel_job(conn, job.job_id) is True
+        return None if job.payload % 4 == 0 else {"double": job.payload * 2}
+
+    worker_engine = database.engine()
+    completions = Completions(worker_engine)
+    worker = sp.create_queue_worker(
+        worker_engine, handler, handler_mode="advanced", worker_threads=4, **LONG_LEASE
+    )
+    with running(worker):
+        assert wait_for(lambda: count(engine, sp.ArchivedJob) == 40)
+    rows = {row.job_id: row for row in archived(engine)}
+    assert (rows[cancelled].status, rows[cancelled].result) == ("cancelled", None)
+    for n, job_id in enumerate(ids):
+        if job_id != cancelled:
+            row = rows[job_id]
+            result = None if n % 4 == 0 else {"double": n * 2}
+            assert (row.status, row.attempts) == ("success", 1), n
+            with Session(engine) as session:
+                assert sp.get_result(session, job_id) == result, n
+    assert worker.summary() == {"succeeded": 39, "retried": 0, "failed": 0}
+    assert jobs(engine) == []
+    assert completions.sent, "no completion seen"
+    if engine.dialect.name == "postgresql":
+        assert all(len(sent) == 1 for sent in completions.sent), completions.sent
+
+
+#: Lease mode's lease of the jobs a claim locked, as a statement of its own.
+SEPARATE_LEASE = re.compile(r"^UPDATE proletarian_job SET unclean_ends=")
+
+
+def test_a_claim_on_postgresql_leases_the_jobs_its_poll_locks_in_the_same_statement(
+    database: Any, engine: sa.Engine
+) -> None:
+    """30 jobs, claimed 10 at a time: on PostgreSQL no claim sends the lease apart from its
+    poll (the poll leases what it locks); elsewhere each claim does. Each job runs once,
+    leased (its attempt counted once), and is archived once."""
+    with Session(engine) as session:
+        sp.enqueue_many(session, [("claimed", n) for n in range(30)])
+        session.commit()
+    sent: list[str] = []
+
+    def executed(conn: sa.Connection, cursor: Any, statement: str, *args: Any) -> None:
+        sent.append(" ".join(statement.split()))
+
+    attempts: Counter[int] = Counter()
+
+    def handler(job: sp.JobContext) -> None:
+        attempts[job.payload] += job.attempts
+
+    worker_engine = database.engine()
+    sa.event.listen(worker_engine, "before_cursor_execute", executed)
+    worker = sp.create_queue_worker(
+        worker_engine, handler, handler_mode="advanced", batch_size=10, **LONG_LEASE
+    )
+    with running(worker):
+        assert wait_for(lambda: count(engine, sp.ArchivedJob) == 30)
+    leases = [text for text in sent if SEPARATE_LEASE.search(text)]
+    if engine.dialect.name == "postgresql":
+        assert leases == []
+    else:
+        assert leases, "a claim leases the jobs it locked in a statement of its own"
+    assert attempts == Counter(dict.fromkeys(range(30), 1))
+    assert {(row.status, row.attempts) for row in archived(engine)} == {("success", 1)}
+    assert worker.summary() == {"succeeded": 30, "retried": 0, "failed": 0}
+    assert jobs(engine) == []
+
+
 def test_a_handler_that_wrote_through_its_session_completes_alone_with_its_writes(
     database: Any, engine: sa.Engine
 ) -> None:

@@ -599,6 +599,22 @@ def test_a_batched_lease_claim_runs_each_job_once_each_completed_with_its_own_wr
     assert worker.summary() == {"succeeded": 60, "retried": 1, "failed": 0}
 
 
+def test_a_batched_lease_claim_runs_jobs_due_together_in_enqueue_order(
+    engine: sa.Engine,
+) -> None:
+    """12 jobs enqueued in one statement (one due time) and claimed 5 at a time under leases
+    (SQLite: one): they run in the order they were enqueued, each once."""
+    with engine.begin() as conn:
+        sp.enqueue_many(conn, [("ordered", n) for n in range(12)])
+    ran: list[int] = []
+    while sp.process_next_job(
+        engine, lambda job_type, n: ran.append(n), batch_size=5, **LONG_LEASE
+    ):
+        pass
+    assert ran == list(range(12))
+    assert {(row.status, row.attempts) for row in archived(engine)} == {("success", 1)}
+
+
 def test_successes_completed_together_are_fenced_one_by_one(
     database: Any, engine: sa.Engine
 ) -> None:
@@ -620,12 +636,14 @@ def test_successes_completed_together_are_fenced_one_by_one(
             release.wait(10)
 
     def take_over(conn: sa.Connection, cursor: Any, statement: str, *args: Any) -> None:
-        """Before the first group's lock (the first job's alone, while the second runs):
-        its lease expires and another worker runs the job to its end."""
+        """Before the first group's completion (the first job's alone, while the second
+        runs: its lock, or PostgreSQL's one statement that deletes and archives): its lease
+        expires and another worker runs the job to its end."""
         text = " ".join(statement.split())
         tokens = "lease_token IN" in text or "lease_token = ANY" in text  # a list, or an array
-        grouped_lock = text.startswith("SELECT") and tokens
-        if not grouped_lock or "SKIP LOCKED" in text or fired:
+        grouped_lock = text.startswith("SELECT") and tokens and "SKIP LOCKED" not in text
+        grouped_end = text.startswith("WITH ended AS")
+        if not (grouped_lock or grouped_end) or fired:
             return
         fired.append(text)
         with engine.begin() as other:

@@ -466,7 +466,6 @@ def test_a_lease_groups_completion_reads_the_job_id_index_on_a_small_mariadb_tab
             group,
             now,
             upsert=dialect.archive_upsert,
-            returning=dialect.deletes_runs_with_job,
             force_index=dialect.force_index,
         ),
     ]

@@ -151,8 +151,9 @@ def test_a_batch_stores_each_result_and_none_stores_nothing_nor_costs_a_statemen
     assert [result_of(engine, job_id) for job_id in loud] == [{"n": 0}, None, {"n": 2}]
     assert stored(engine, loud[1]) is None
     # One UPDATE after the batch's archive insert where the archive rows are copied from
-    # the queue rows (transaction mode; lease mode's grouped ends on PostgreSQL and
-    # MariaDB); none where each archive row is written with its result (SQLite's leases).
+    # the queue rows (transaction mode; lease mode's grouped ends on MariaDB); none where
+    # each archive row is written with its result (lease mode's grouped ends on PostgreSQL,
+    # SQLite's leases).
     assert len(updates) <= 1
 
 
