@@ -225,32 +225,55 @@ def settle(
     conn: Connection, ended: Mapping[uuid.UUID, str], dialect: Dialect, now: datetime
 ) -> None:
     """Count the ends of ``ended`` (job id to archive status) in their dependents, in the
-    transaction that archived them: dependents with nothing left to wait on become due;
-    with ``"cancel"``, a failed or cancelled dependency cancels them, and so on down the
-    graph. Their waiters' rows are deleted (and NOTIFYed on PostgreSQL)."""
+    transaction that archived them: a dependent whose dependencies have all ended becomes
+    due; with ``"cancel"``, a failed or cancelled dependency cancels it, and so on down the
+    graph. Their waiters' rows are deleted (and NOTIFYed on PostgreSQL). An end that other
+    ends of the same dependent are being counted with, uncommitted, is counted after this
+    transaction's commit, by the worker's ``Sweeper``."""
+    later = _settle(conn, ended, dialect, now)
+    if later:
+        _count_later(conn, later)
+
+
+def _settle(
+    conn: Connection, ended: Mapping[uuid.UUID, str], dialect: Dialect, now: datetime
+) -> list[uuid.UUID]:
+    """``settle``; the ends left to count after the commit."""
     pending: dict[uuid.UUID, str] = dict(ended)
     woken: set[str] = set()
+    later: list[uuid.UUID] = []
     while pending:
         edges = _pending_edges(conn, list(pending), dialect.settles_in_one)
         if not edges:
             break
-        waits = [(job_id, on) for job_id, on, kind in edges if kind == WAIT_KIND]
+        _drop_waits(
+            conn, [(job_id, on) for job_id, on, kind in edges if kind == WAIT_KIND], dialect
+        )
         counted = [(job_id, on) for job_id, on, kind in edges if kind != WAIT_KIND]
-        if waits:
-            conn.execute(*wsql.drop_waits(waits))
-            if dialect.notifies:
-                for on in sorted({on for _, on in waits}):
-                    conn.execute(*wsql.notify_done(on))
         if not counted:
             break
         if not dialect.settles_in_one:
             conn.execute(*wsql.settle_edges(counted))
-        pending = _count_ends(conn, edges, pending, dialect, now, woken)
-    if woken:
-        if dialect.notifies:
-            for queue in sorted(woken):
-                conn.execute(*sql.notify_queue(queue))
-        wakeups.enqueued(conn, woken)
+        by_dependent = _by_dependent(edges)
+        cancels = _cancels(by_dependent, pending)
+        releases: list[uuid.UUID] = []
+        uncounted: list[tuple[uuid.UUID, uuid.UUID]] = []
+        for job_id in sorted(by_dependent.keys() - cancels.keys()):
+            if conn.execute(*wsql.unlocked_pending_of(job_id)).first() is not None:
+                continue  # a dependency that has not ended: its end counts this one's
+            if conn.execute(*wsql.any_pending_of(job_id)).first() is None:
+                releases.append(job_id)  # the last end
+                continue
+            # Every other pending row is being counted by an end not committed yet: which of
+            # them is the last shows after the commits. This one's row stays pending, and
+            # its end is counted after this commit (or by a sweep, should that be lost).
+            uncounted.extend((job_id, on) for on, _ in by_dependent[job_id])
+        if uncounted:
+            conn.execute(*wsql.unsettle_edges(uncounted))
+            later.extend({on: None for _, on in uncounted})
+        pending = _end_dependents(conn, cancels, releases, dialect, now, woken)
+    _wake(conn, woken, dialect)
+    return later
 
 
 def _pending_edges(
@@ -266,51 +289,145 @@ def _pending_edges(
     return edges
 
 
-def _count_ends(
-    conn: Connection,
-    edges: list[tuple[uuid.UUID, uuid.UUID, str]],
-    ended: Mapping[uuid.UUID, str],
-    dialect: Dialect,
-    now: datetime,
-    woken: set[str],
-) -> dict[uuid.UUID, str]:
-    """Count settled edges off their (locked) dependents; the dependents this cancelled."""
+def _drop_waits(
+    conn: Connection, waits: list[tuple[uuid.UUID, uuid.UUID]], dialect: Dialect
+) -> None:
+    """Delete the waiters' rows of ended jobs, and wake the waiters (PostgreSQL)."""
+    if not waits:
+        return
+    conn.execute(*wsql.drop_waits(waits))
+    if dialect.notifies:
+        for on in sorted({on for _, on in waits}):
+            conn.execute(*wsql.notify_done(on))
+
+
+def _wake(conn: Connection, woken: set[str], dialect: Dialect) -> None:
+    """Wake the workers of the queues where dependents became due."""
+    if woken:
+        if dialect.notifies:
+            for queue in sorted(woken):
+                conn.execute(*sql.notify_queue(queue))
+        wakeups.enqueued(conn, woken)
+
+
+def _by_dependent(
+    edges: Iterable[tuple[uuid.UUID, uuid.UUID, str]],
+) -> dict[uuid.UUID, list[tuple[uuid.UUID, str]]]:
+    """The ended dependencies and their kinds, per dependent (waiters' rows left out)."""
     by_dependent: dict[uuid.UUID, list[tuple[uuid.UUID, str]]] = {}
     for job_id, on, kind in edges:
         if kind != WAIT_KIND:
             by_dependent.setdefault(job_id, []).append((on, kind))
+    return by_dependent
+
+
+def _cancels(
+    by_dependent: Mapping[uuid.UUID, list[tuple[uuid.UUID, str]]], ended: Mapping[uuid.UUID, str]
+) -> dict[uuid.UUID, tuple[uuid.UUID, str]]:
+    """The dependents that an ended dependency cancels (``"cancel"``, and it did not
+    succeed), each with the first such dependency and its status."""
+    cancels: dict[uuid.UUID, tuple[uuid.UUID, str]] = {}
+    for job_id, its in by_dependent.items():
+        for on, kind in its:
+            if kind == "cancel" and ended[on] != "success":
+                cancels[job_id] = (on, ended[on])
+                break
+    return cancels
+
+
+def _end_dependents(
+    conn: Connection,
+    cancels: Mapping[uuid.UUID, tuple[uuid.UUID, str]],
+    releases: list[uuid.UUID],
+    dialect: Dialect,
+    now: datetime,
+    woken: set[str],
+) -> dict[uuid.UUID, str]:
+    """Lock the dependents to cancel or release (those still waiting), in id order, and do
+    so; the dependents this cancelled."""
     cancelled: dict[uuid.UUID, str] = {}
-    counts: dict[uuid.UUID, int] = {}
-    released: dict[uuid.UUID, int] = {}
-    dependents = sorted(by_dependent)
+    released: list[uuid.UUID] = []
+    dependents = sorted({*cancels, *releases})
     for start in range(0, len(dependents), _CHUNK):
         chunk = dependents[start : start + _CHUNK]
         for job in conn.execute(*wsql.lock_dependents(chunk)).mappings():
             job_id = job["job_id"]
-            its = by_dependent[job_id]
-            failed = next(
-                (
-                    (on, ended[on])
-                    for on, kind in its
-                    if kind == "cancel" and ended[on] != "success"
-                ),
-                None,
-            )
-            if failed is not None:
-                _cancel_dependent(conn, dict(job), failed, dialect, now)
+            if job_id in cancels:
+                _cancel_dependent(conn, dict(job), cancels[job_id], dialect, now)
                 cancelled[job_id] = "cancelled"
-                continue
-            if job["waiting_on"] <= len(its):
-                # Released at once: its count needs no counting down first.
-                released[job_id] = len(its)
-                woken.add(job["queue"])
             else:
-                counts[job_id] = len(its)
-    if counts:
-        conn.execute(*wsql.count_down(counts))
+                released.append(job_id)
+                woken.add(job["queue"])
     if released:
         conn.execute(*wsql.release(released))
     return cancelled
+
+
+def _settle_late(
+    conn: Connection, found: list[uuid.UUID], dialect: Dialect, now: datetime
+) -> dict[uuid.UUID, str]:
+    """Count the ends of ``found``, jobs whose rows in their dependents are still pending
+    after their end may have committed (an end counted after its commit, an end that a
+    dependent's enqueue did not see): lock each dependent's pending rows in key order,
+    which waits for the ends marking them, then count those of ``found`` that have ended
+    (are no longer queued) as ``settle`` does. A dependent with no other row pending is
+    released. The ends counted, with their status."""
+    edges: list[tuple[uuid.UUID, uuid.UUID, str]] = []
+    for start in range(0, len(found), _CHUNK):
+        chunk = found[start : start + _CHUNK]
+        edges.extend((row[0], row[1], row[2]) for row in conn.execute(*wsql.waiting_on(chunk)))
+    held = {
+        job_id: set(conn.execute(*wsql.lock_pending_of(job_id)).scalars())
+        for job_id in sorted({job_id for job_id, _, kind in edges if kind != WAIT_KIND})
+    }
+    # Read after the locks: an end that was committing is seen.
+    live = set(conn.execute(*wsql.live_jobs(found)).scalars())
+    rest = [job_id for job_id in found if job_id not in live]
+    statuses = {row[0]: row[1] for row in conn.execute(*wsql.ended_jobs(rest))} if rest else {}
+    # An archive row pruned away counts as cancelled: its result is gone.
+    ended = {job_id: statuses.get(job_id, "cancelled") for job_id in rest}
+    _drop_waits(
+        conn,
+        [(job_id, on) for job_id, on, kind in edges if kind == WAIT_KIND and on in ended],
+        dialect,
+    )
+    counted = [
+        (job_id, on, kind)
+        for job_id, on, kind in edges
+        if kind != WAIT_KIND and on in ended and on in held[job_id]
+    ]
+    if not counted:
+        return ended
+    conn.execute(*wsql.settle_edges([(job_id, on) for job_id, on, _ in counted]))
+    by_dependent = _by_dependent(counted)
+    cancels = _cancels(by_dependent, ended)
+    releases = [
+        job_id
+        for job_id, its in by_dependent.items()
+        if job_id not in cancels and not held[job_id] - {on for on, _ in its}
+    ]
+    woken: set[str] = set()
+    cancelled = _end_dependents(conn, cancels, releases, dialect, now, woken)
+    _wake(conn, woken, dialect)
+    if cancelled:
+        settle(conn, cancelled, dialect, now)
+    return ended
+
+
+#: Ends to count after their commit (see ``settle``), per database (an engine's URL): the
+#: next ``Sweeper.tick`` of a worker on it counts them.
+_LATER: dict[Any, dict[uuid.UUID, None]] = {}
+_LATER_LOCK = threading.Lock()
+
+
+def _count_later(conn: Connection, ended: Iterable[uuid.UUID]) -> None:
+    with _LATER_LOCK:
+        _LATER.setdefault(conn.engine.url, {}).update(dict.fromkeys(ended))
+
+
+def _take_later(conn: Connection) -> list[uuid.UUID]:
+    with _LATER_LOCK:
+        return list(_LATER.pop(conn.engine.url, None) or ())
 
 
 def _cancel_dependent(
@@ -337,9 +454,12 @@ def _cancel_dependent(
 
 
 class Sweeper:
-    """A worker's look, every ``SWEEP_INTERVAL`` seconds, for ended jobs whose dependents (or
-    waiters) no settle counted: an enqueue that read its dependency as running, while that
-    dependency's end was committing. It settles them as their end would have."""
+    """A worker's count of ends that no settle counted in their transaction: at each tick,
+    those of its own ends that ``settle`` left to count after their commit; every
+    ``SWEEP_INTERVAL`` seconds, a look for any such end in the database (an enqueue that
+    read its dependency as running while that dependency's end was committing, an end left
+    to count by a worker that stopped before it did). It counts them as their end would
+    have."""
 
     def __init__(self, dialect: Dialect, interval: float | None = None) -> None:
         self.dialect = dialect
@@ -348,16 +468,38 @@ class Sweeper:
         self._lock = threading.Lock()
 
     def tick(self, conn: Connection, now: Callable[[], datetime]) -> int:
-        """Sweep if it is time and no other thread of the runner is sweeping; the ended jobs
-        settled. ``conn`` is the thread's claim connection, outside a transaction; ``now``
-        (the worker's clock) is read only for a sweep."""
+        """Count the ends left to count after their commit, if any; sweep if it is time and
+        no other thread of the runner is sweeping. The ended jobs counted. ``conn`` is the
+        thread's claim connection, outside a transaction; ``now`` (the worker's clock) is
+        read only when there is something to count."""
+        counted = 0
+        later = _take_later(conn)
+        if later:
+            try:
+                counted = len(self._count(conn, later, now()))
+            except BaseException:
+                _count_later(conn, later)  # for the next tick (and the sweep, if it ends)
+                raise
         if time.monotonic() < self._next_look or not self._lock.acquire(blocking=False):
-            return 0
+            return counted
         try:
             self._next_look = time.monotonic() + self.interval
-            return self._sweep(conn, now())
+            return counted + self._sweep(conn, now())
         finally:
             self._lock.release()
+
+    def _count(
+        self, conn: Connection, found: list[uuid.UUID], now: datetime
+    ) -> dict[uuid.UUID, str]:
+        """Count the ends of ``found`` in a claim transaction of its own."""
+        self.dialect.begin_claim(conn)
+        try:
+            ended = _settle_late(conn, found, self.dialect, now)
+            conn.commit()
+        except BaseException:
+            conn.rollback()
+            raise
+        return ended
 
     def _sweep(self, conn: Connection, now: datetime) -> int:
         # A read first, outside the claim's transaction form (SQLite's takes the write lock).
@@ -367,24 +509,14 @@ class Sweeper:
             conn.rollback()
         if not found:
             return 0
-        self.dialect.begin_claim(conn)
-        try:
-            statuses = {row[0]: row[1] for row in conn.execute(*wsql.ended_jobs(found))}
-            live = set(conn.execute(*wsql.live_jobs(found)).scalars())
-            # An archive row pruned away counts as cancelled: its result is gone.
-            ended = {
-                job_id: statuses.get(job_id, "cancelled") for job_id in found if job_id not in live
-            }
-            settle(conn, ended, self.dialect, now)
-            conn.commit()
-        except BaseException:
-            conn.rollback()
-            raise
-        log_event(
-            logging.INFO,
-            "dependencies-swept",
-            jobs=len(ended),
-            hint="these jobs ended while a dependent of theirs was being enqueued; their "
-            "dependents are counted now",
-        )
+        ended = self._count(conn, found, now)
+        if ended:
+            log_event(
+                logging.INFO,
+                "dependencies-swept",
+                jobs=len(ended),
+                hint="these jobs' ends were not counted in their dependents (a dependent "
+                "enqueued while its dependency ended, or a worker that stopped before it "
+                "counted an end); they are counted now",
+            )
         return len(ended)

@@ -190,25 +190,13 @@ def lock_dependents(job_ids: Sequence[uuid.UUID]) -> Statement:
     return _DEPENDENTS, {"ids": sorted(job_ids)}
 
 
-_COUNT_DOWN = (
-    update(JOB)
-    .where(JOB.c.job_id == bindparam("b_job_id"), JOB.c.waiting_on >= bindparam("ended"))
-    .values(waiting_on=JOB.c.waiting_on - bindparam("ended"))
-)
-
-
-def count_down(ended: dict[uuid.UUID, int]) -> Many:
-    """Take ``ended[job_id]`` ended dependencies off each waiting job's count."""
-    return _COUNT_DOWN, [{"b_job_id": job_id, "ended": n} for job_id, n in ended.items()]
-
-
 # ``process_at`` is set from ``due_at`` before ``due_at`` is cleared: MySQL applies a single
 # table UPDATE's assignments in order, the others all from the row as it was.
 _RELEASE = (
     update(JOB)
     .where(
         JOB.c.job_id == bindparam("b_job_id"),
-        JOB.c.waiting_on <= bindparam("ended"),
+        JOB.c.waiting_on > 0,
         JOB.c.lease_token.is_(None),
         JOB.c.process_at == bindparam("waiting_at", type_=JOB.c.process_at.type),
     )
@@ -218,13 +206,80 @@ _RELEASE = (
 )
 
 
-def release(ended: dict[uuid.UUID, int]) -> Many:
-    """Make the waiting jobs that ``ended[job_id]`` ended dependencies leave waiting on
-    nothing due at their own time (their ``waiting_on`` ``HAD_DEPENDENCIES``), without
-    counting those ends down first."""
-    return _RELEASE, [
-        {"b_job_id": job_id, "ended": n, "waiting_at": WAITING_AT} for job_id, n in ended.items()
-    ]
+def release(job_ids: Sequence[uuid.UUID]) -> Many:
+    """Make waiting jobs whose dependencies have all ended due at their own time (their
+    ``waiting_on`` ``HAD_DEPENDENCIES``)."""
+    return _RELEASE, [{"b_job_id": job_id, "waiting_at": WAITING_AT} for job_id in job_ids]
+
+
+# --- a fan-in: whether an end is the last of a dependent's ------------------------------------
+
+# A dependent's rows still pending but for waiters' (read by the key: MySQL and MariaDB
+# would rather scan a small table, and lock every row they read).
+_BY_KEY = "FORCE INDEX (PRIMARY)"
+_PENDING_OF = and_(
+    DEPENDENCY.c.job_id == bindparam("job_id"),
+    DEPENDENCY.c.pending == true(),
+    DEPENDENCY.c.kind != WAIT_KIND,
+)
+
+
+def _of_dependent(*columns: Any) -> Any:
+    return (
+        select(*columns)
+        .where(_PENDING_OF)
+        .order_by(DEPENDENCY.c.depends_on)
+        .with_hint(DEPENDENCY, _BY_KEY, "mysql")
+        .with_hint(DEPENDENCY, _BY_KEY, "mariadb")
+    )
+
+
+_UNLOCKED_PENDING_OF = (
+    _of_dependent(DEPENDENCY.c.depends_on).limit(1).with_for_update(read=True, skip_locked=True)
+)
+_ANY_PENDING_OF = _of_dependent(DEPENDENCY.c.depends_on).limit(1)
+_LOCK_PENDING_OF = _of_dependent(DEPENDENCY.c.depends_on).with_for_update()
+
+
+def unlocked_pending_of(job_id: uuid.UUID) -> Statement:
+    """One of the dependent's rows still pending that no transaction holds (a dependency
+    not ending right now), share-locked: that dependency's end, if it comes now, waits for
+    this transaction's commit, and then sees its end counted."""
+    return _UNLOCKED_PENDING_OF, {"job_id": job_id}
+
+
+def any_pending_of(job_id: uuid.UUID) -> Statement:
+    """One of the dependent's rows still pending, read without a lock (rows that other ends
+    are marking, not committed yet, read as pending)."""
+    return _ANY_PENDING_OF, {"job_id": job_id}
+
+
+def lock_pending_of(job_id: uuid.UUID) -> Statement:
+    """All of the dependent's rows still pending, locked in key order (waiting for the ends
+    that are marking them)."""
+    return _LOCK_PENDING_OF, {"job_id": job_id}
+
+
+_UNSETTLE = update(DEPENDENCY).where(_EDGE).values(pending=true())
+
+
+def unsettle_edges(edges: Sequence[tuple[uuid.UUID, uuid.UUID]]) -> Many:
+    """Mark rows ``(job_id, depends_on)`` pending again: their end is counted after its
+    commit, by a look of its own."""
+    return _UNSETTLE, _edges(edges)
+
+
+_WAITING_ON = (
+    select(DEPENDENCY.c.job_id, DEPENDENCY.c.depends_on, DEPENDENCY.c.kind)
+    .where(DEPENDENCY.c.depends_on.in_(_IDS), DEPENDENCY.c.pending == true())
+    .with_hint(DEPENDENCY, _BY_DEPENDS_ON, "mysql")
+    .with_hint(DEPENDENCY, _BY_DEPENDS_ON, "mariadb")
+)
+
+
+def waiting_on(job_ids: Sequence[uuid.UUID]) -> Statement:
+    """The rows still waiting for the end of one of ``job_ids``, read without a lock."""
+    return _WAITING_ON, {"ids": list(job_ids)}
 
 
 # --- the sweep: ends that no settle counted --------------------------------------------------
@@ -283,8 +338,8 @@ def dependencies_of(job_id: uuid.UUID) -> Statement:
 
 __all__ = [
     "DEPENDENCY",
+    "any_pending_of",
     "any_pending_on",
-    "count_down",
     "dependencies_of",
     "drop_waits",
     "ended_jobs",
@@ -292,6 +347,7 @@ __all__ = [
     "insert_dependents",
     "live_jobs",
     "lock_dependents",
+    "lock_pending_of",
     "mark_dependents",
     "notify_done",
     "pending_on",
@@ -299,5 +355,8 @@ __all__ = [
     "settle_edges",
     "settle_pending_on",
     "stranded",
+    "unlocked_pending_of",
+    "unsettle_edges",
     "waiting_for",
+    "waiting_on",
 ]
