@@ -34,11 +34,11 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
-from sqlalchemy import Connection
+from sqlalchemy import Connection, Engine
 
 from sqla_proletarian import statements as sql
 from sqla_proletarian import wakeups
-from sqla_proletarian.dialects import Dialect
+from sqla_proletarian.dialects import Dialect, dialect_of
 from sqla_proletarian.errors import InvalidJobError
 from sqla_proletarian.logs import log_event
 from sqla_proletarian.models import WAIT_KIND, WAITING_AT
@@ -53,6 +53,7 @@ __all__ = [
     "OnDependencyFailure",
     "Sweeper",
     "check_depends_on",
+    "count_later",
     "settle",
 ]
 
@@ -425,9 +426,37 @@ def _count_later(conn: Connection, ended: Iterable[uuid.UUID]) -> None:
         _LATER.setdefault(conn.engine.url, {}).update(dict.fromkeys(ended))
 
 
-def _take_later(conn: Connection) -> list[uuid.UUID]:
+def _take_later(engine: Engine) -> list[uuid.UUID]:
     with _LATER_LOCK:
-        return list(_LATER.pop(conn.engine.url, None) or ())
+        return list(_LATER.pop(engine.url, None) or ())
+
+
+def count_later(engine: Engine, now: Callable[[], datetime]) -> int:
+    """Count the ends that ``settle`` left to count after their commit on ``engine``'s
+    database, if any, on a claim connection of its own: ``process_next_job``, which runs
+    no ``Sweeper``, calls it after each job. The ended jobs counted."""
+    later = _take_later(engine)
+    if not later:
+        return 0
+    dialect = dialect_of(engine)
+    with dialect.claim_connection(engine) as conn:
+        return len(_count_apart(conn, later, dialect, now()))
+
+
+def _count_apart(
+    conn: Connection, found: list[uuid.UUID], dialect: Dialect, now: datetime
+) -> dict[uuid.UUID, str]:
+    """``_settle_late`` in a claim transaction of its own; on an error, ``found`` is left
+    for the next count (and the sweep)."""
+    dialect.begin_claim(conn)
+    try:
+        ended = _settle_late(conn, found, dialect, now)
+        conn.commit()
+    except BaseException:
+        conn.rollback()
+        _count_later(conn, found)
+        raise
+    return ended
 
 
 def _cancel_dependent(
@@ -472,14 +501,8 @@ class Sweeper:
         no other thread of the runner is sweeping. The ended jobs counted. ``conn`` is the
         thread's claim connection, outside a transaction; ``now`` (the worker's clock) is
         read only when there is something to count."""
-        counted = 0
-        later = _take_later(conn)
-        if later:
-            try:
-                counted = len(self._count(conn, later, now()))
-            except BaseException:
-                _count_later(conn, later)  # for the next tick (and the sweep, if it ends)
-                raise
+        later = _take_later(conn.engine)
+        counted = len(_count_apart(conn, later, self.dialect, now())) if later else 0
         if time.monotonic() < self._next_look or not self._lock.acquire(blocking=False):
             return counted
         try:
@@ -487,19 +510,6 @@ class Sweeper:
             return counted + self._sweep(conn, now())
         finally:
             self._lock.release()
-
-    def _count(
-        self, conn: Connection, found: list[uuid.UUID], now: datetime
-    ) -> dict[uuid.UUID, str]:
-        """Count the ends of ``found`` in a claim transaction of its own."""
-        self.dialect.begin_claim(conn)
-        try:
-            ended = _settle_late(conn, found, self.dialect, now)
-            conn.commit()
-        except BaseException:
-            conn.rollback()
-            raise
-        return ended
 
     def _sweep(self, conn: Connection, now: datetime) -> int:
         # A read first, outside the claim's transaction form (SQLite's takes the write lock).
@@ -509,7 +519,7 @@ class Sweeper:
             conn.rollback()
         if not found:
             return 0
-        ended = self._count(conn, found, now)
+        ended = _count_apart(conn, found, self.dialect, now)
         if ended:
             log_event(
                 logging.INFO,
