@@ -1,23 +1,39 @@
 """Workflows: jobs that run after other jobs, and the end of a job told to whoever waits.
 
 A job enqueued with ``depends_on`` is written with one ``proletarian_dependency`` row per
-dependency and ``waiting_on``, the number of them not yet ended (a row is ``pending`` until
-its dependency's end is counted). While ``waiting_on`` is above 0 the job WAITS: its
-``process_at`` is ``WAITING_AT``, which no poll reaches, and ``due_at`` holds its own due time.
+dependency and ``waiting_on``, the number of them not ended at the enqueue (a row is
+``pending`` until its dependency's end is counted). While ``waiting_on`` is above 0 the job
+WAITS: its ``process_at`` is ``WAITING_AT``, which no poll reaches, and ``due_at`` holds its
+own due time; the dependent made due has ``waiting_on`` ``HAD_DEPENDENCIES`` (-1).
 
 Whatever ends a job (a success, a failure, a cancel, in either mode) calls ``settle`` in the
-same transaction: it locks the rows pending on the ended jobs, marks them settled, and counts
-the ends off their dependents' ``waiting_on`` under the dependents' row locks, so that two
-dependencies ending at the same moment on different workers count down in turn, and exactly
-one of them sees the count reach 0 and makes the dependent due (``process_at`` back from
-``due_at``). A dependency that failed or was cancelled cancels a dependent whose
-``on_dependency_failure`` is ``"cancel"``: it is archived as cancelled in the same transaction,
-and its own dependents are settled in turn (the cascade). ``"run"`` counts it as any end.
+same transaction. It locks the rows pending on the ended jobs and marks them counted: a row
+of its own, which no other end touches, so that the parts of a fan-in ending at the same
+moment on different workers do not wait for one another. Then, per dependent, it reads the
+dependent's other pending rows with ``FOR SHARE SKIP LOCKED``:
+
+- one that no transaction holds: that dependency has not ended, and its end (which waits
+  for this commit, should it come now, as the row read is share-locked) comes later and sees
+  this one counted: the dependent is not touched;
+- none at all: this end is the last; it locks the dependent and makes it due (``process_at``
+  back from ``due_at``);
+- only rows held by other ends, not committed yet: which end is the last shows only after
+  the commits. Its rows are set pending again and the end is counted after this commit
+  (``count_later``, a ``Sweeper.tick``): a transaction that locks the dependent's pending
+  rows in key order, which waits for those ends, marks the ended ones counted, and makes the
+  dependent due if none is left. Of ends committing together, such counts take turns on
+  the rows, so the dependent is made due exactly once.
+
+A dependency that failed or was cancelled cancels a dependent whose ``on_dependency_failure``
+is ``"cancel"``: its end locks the dependent and archives it as cancelled in the same
+transaction, and its own dependents are settled in turn (the cascade). ``"run"`` counts it
+as any end.
 
 An enqueue reads its dependencies' states without locks (it never waits for a running job),
 so a dependency may end between that read and the enqueue's commit, settling without seeing
-the new rows. Each worker's ``Sweeper`` looks for such rows (pending, their dependency gone
-from the queue) every ``SWEEP_INTERVAL`` seconds and settles them as the end would have.
+the new rows. Each worker's ``Sweeper`` looks for pending rows whose dependency is gone from
+the queue every ``SWEEP_INTERVAL`` seconds (such an enqueue's, or an end left to count after
+its commit by a worker that stopped before it did) and counts them as above.
 
 A ``wait_for_result`` caller's row (kind ``WAIT_KIND``) is deleted by the end it waits for,
 which on PostgreSQL also NOTIFYs ``DONE_CHANNEL`` with the job id.
@@ -372,7 +388,7 @@ def _settle_late(
     dependent's enqueue did not see): lock each dependent's pending rows in key order,
     which waits for the ends marking them, then count those of ``found`` that have ended
     (are no longer queued) as ``settle`` does. A dependent with no other row pending is
-    released. The ends counted, with their status."""
+    released. The ends counted (a row of theirs settled), with their status."""
     edges: list[tuple[uuid.UUID, uuid.UUID, str]] = []
     for start in range(0, len(found), _CHUNK):
         chunk = found[start : start + _CHUNK]
@@ -387,18 +403,16 @@ def _settle_late(
     statuses = {row[0]: row[1] for row in conn.execute(*wsql.ended_jobs(rest))} if rest else {}
     # An archive row pruned away counts as cancelled: its result is gone.
     ended = {job_id: statuses.get(job_id, "cancelled") for job_id in rest}
-    _drop_waits(
-        conn,
-        [(job_id, on) for job_id, on, kind in edges if kind == WAIT_KIND and on in ended],
-        dialect,
-    )
+    waits = [(job_id, on) for job_id, on, kind in edges if kind == WAIT_KIND and on in ended]
+    _drop_waits(conn, waits, dialect)
     counted = [
         (job_id, on, kind)
         for job_id, on, kind in edges
         if kind != WAIT_KIND and on in ended and on in held[job_id]
     ]
+    settled = {on: ended[on] for _, on in waits} | {on: ended[on] for _, on, _ in counted}
     if not counted:
-        return ended
+        return settled
     conn.execute(*wsql.settle_edges([(job_id, on) for job_id, on, _ in counted]))
     by_dependent = _by_dependent(counted)
     cancels = _cancels(by_dependent, ended)
@@ -412,7 +426,7 @@ def _settle_late(
     _wake(conn, woken, dialect)
     if cancelled:
         settle(conn, cancelled, dialect, now)
-    return ended
+    return settled
 
 
 #: Ends to count after their commit (see ``settle``), per database (an engine's URL): the
