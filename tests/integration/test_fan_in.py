@@ -84,9 +84,15 @@ def test_a_parts_end_does_not_wait_for_another_parts_end_to_commit(database: Any
     skip_sqlite(database)
     engine = database.engine()
     (first, *others), join = fan_in(engine, 3)
-    # The first end share-locks the other part's row that it reads first (the lowest key):
-    # that part's end waits for its commit, to see it. The other part's end does not.
-    looked_at, other = sorted(others)
+    # The first end share-locks the other part's row that it reads first (the lowest key, in
+    # the server's order of ids): that part's end waits for its commit, to see it. The other
+    # part's end does not.
+    with engine.connect() as conn:
+        looked_at, other = conn.execute(
+            sa.select(DEPENDENCY.c.depends_on)
+            .where(DEPENDENCY.c.job_id == join, DEPENDENCY.c.depends_on.in_(others))
+            .order_by(DEPENDENCY.c.depends_on)
+        ).scalars()
     held = engine.connect()
     try:
         with held.begin():
