@@ -276,7 +276,7 @@ def _settle(
         releases: list[uuid.UUID] = []
         uncounted: list[tuple[uuid.UUID, uuid.UUID]] = []
         for job_id in sorted(by_dependent.keys() - cancels.keys()):
-            if conn.execute(*wsql.unlocked_pending_of(job_id)).first() is not None:
+            if _unlocked_pending(conn, job_id, by_dependent[job_id][0][0]):
                 continue  # a dependency that has not ended: its end counts this one's
             if conn.execute(*wsql.any_pending_of(job_id)).first() is None:
                 releases.append(job_id)  # the last end
@@ -291,6 +291,15 @@ def _settle(
         pending = _end_dependents(conn, cancels, releases, dialect, now, woken)
     _wake(conn, woken, dialect)
     return later
+
+
+def _unlocked_pending(conn: Connection, job_id: uuid.UUID, own: uuid.UUID) -> bool:
+    """Whether the dependent has a row still pending that no transaction holds (read after
+    the row of ``own``, then before it), share-locked."""
+    return any(
+        conn.execute(*wsql.unlocked_pending_of(job_id, own, after=after)).first() is not None
+        for after in (True, False)
+    )
 
 
 def _pending_edges(

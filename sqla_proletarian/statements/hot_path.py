@@ -588,10 +588,17 @@ def drop_waits(dialect: Dialect) -> Statement:
 
 
 @_hot({DEPENDENCY: DEPENDENCY_KEY})
-def unlocked_pending_of(dialect: Dialect) -> Statement:
+def unlocked_pending_after(dialect: Dialect) -> Statement:
     """The end of a job with dependents: for each dependent, one of its rows still pending
-    that no end is counting right now, share-locked (none: maybe this end is the last)."""
-    return workflows.unlocked_pending_of(IDS[1])
+    that no end is counting right now, share-locked, read from the ended job's row on."""
+    return workflows.unlocked_pending_of(IDS[1], IDS[0], after=True)
+
+
+@_hot({DEPENDENCY: DEPENDENCY_KEY})
+def unlocked_pending_before(dialect: Dialect) -> Statement:
+    """The end of a job with dependents, for a dependent that has no such row after the
+    ended job's: one before it (none either: maybe this end is the last)."""
+    return workflows.unlocked_pending_of(IDS[1], IDS[0], after=False)
 
 
 @_hot({DEPENDENCY: DEPENDENCY_KEY})

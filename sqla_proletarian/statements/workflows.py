@@ -234,18 +234,33 @@ def _of_dependent(*columns: Any) -> Any:
     )
 
 
-_UNLOCKED_PENDING_OF = (
-    _of_dependent(DEPENDENCY.c.depends_on).limit(1).with_for_update(read=True, skip_locked=True)
+# From a row of the ended dependency's on, so that the ends of a fan-in's parts read from all
+# over its range, each past the few rows counted after its own: read from the range's start,
+# each would pass all the rows counted so far.
+_FROM = bindparam("b_from", type_=DEPENDENCY.c.depends_on.type)
+_UNLOCKED_PENDING_AFTER = (
+    _of_dependent(DEPENDENCY.c.depends_on)
+    .where(DEPENDENCY.c.depends_on > _FROM)
+    .limit(1)
+    .with_for_update(read=True, skip_locked=True)
+)
+_UNLOCKED_PENDING_BEFORE = (
+    _of_dependent(DEPENDENCY.c.depends_on)
+    .where(DEPENDENCY.c.depends_on < _FROM)
+    .limit(1)
+    .with_for_update(read=True, skip_locked=True)
 )
 _ANY_PENDING_OF = _of_dependent(DEPENDENCY.c.depends_on).limit(1)
 _LOCK_PENDING_OF = _of_dependent(DEPENDENCY.c.depends_on).with_for_update()
 
 
-def unlocked_pending_of(job_id: uuid.UUID) -> Statement:
+def unlocked_pending_of(job_id: uuid.UUID, own: uuid.UUID, *, after: bool) -> Statement:
     """One of the dependent's rows still pending that no transaction holds (a dependency
-    not ending right now), share-locked: that dependency's end, if it comes now, waits for
+    not ending right now), the first ``after`` (else before) the row ``(job_id, own)`` of
+    an ended dependency, share-locked: that dependency's end, if it comes now, waits for
     this transaction's commit, and then sees its end counted."""
-    return _UNLOCKED_PENDING_OF, {"job_id": job_id}
+    statement = _UNLOCKED_PENDING_AFTER if after else _UNLOCKED_PENDING_BEFORE
+    return statement, {"job_id": job_id, "b_from": own}
 
 
 def any_pending_of(job_id: uuid.UUID) -> Statement:

@@ -84,15 +84,19 @@ def test_a_parts_end_does_not_wait_for_another_parts_end_to_commit(database: Any
     skip_sqlite(database)
     engine = database.engine()
     (first, *others), join = fan_in(engine, 3)
-    # The first end share-locks the other part's row that it reads first (the lowest key, in
-    # the server's order of ids): that part's end waits for its commit, to see it. The other
-    # part's end does not.
+    # The first end share-locks the other part's row that it reads first (the next key after
+    # its own, else the lowest, in the server's order of ids): that part's end waits for its
+    # commit, to see it. The other part's end does not.
     with engine.connect() as conn:
-        looked_at, other = conn.execute(
-            sa.select(DEPENDENCY.c.depends_on)
-            .where(DEPENDENCY.c.job_id == join, DEPENDENCY.c.depends_on.in_(others))
-            .order_by(DEPENDENCY.c.depends_on)
-        ).scalars()
+        in_order = list(
+            conn.execute(
+                sa.select(DEPENDENCY.c.depends_on, DEPENDENCY.c.depends_on > first)
+                .where(DEPENDENCY.c.job_id == join, DEPENDENCY.c.depends_on.in_(others))
+                .order_by(DEPENDENCY.c.depends_on)
+            )
+        )
+    looked_at = next((part for part, after in in_order if after), in_order[0][0])
+    (other,) = {part for part, _ in in_order} - {looked_at}
     held = engine.connect()
     try:
         with held.begin():
