@@ -50,10 +50,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Engine, Executable
 
+from sqla_proletarian import direct, wakeups
 from sqla_proletarian import statements as sql
-from sqla_proletarian import wakeups
 from sqla_proletarian.dialects import Dialect, dialect_of
 from sqla_proletarian.errors import InvalidJobError
 from sqla_proletarian.logs import log_event
@@ -270,7 +270,7 @@ def _settle(
         if not counted:
             break
         if not dialect.settles_in_one:
-            conn.execute(*wsql.settle_edges(counted))
+            _run(conn, wsql.settle_edges(counted))
         by_dependent = _by_dependent(edges)
         cancels = _cancels(by_dependent, pending)
         releases: list[uuid.UUID] = []
@@ -278,7 +278,7 @@ def _settle(
         for job_id in sorted(by_dependent.keys() - cancels.keys()):
             if _unlocked_pending(conn, job_id, by_dependent[job_id][0][0]):
                 continue  # a dependency that has not ended: its end counts this one's
-            if conn.execute(*wsql.any_pending_of(job_id)).first() is None:
+            if not _run(conn, wsql.any_pending_of(job_id)).rows:
                 releases.append(job_id)  # the last end
                 continue
             # Every other pending row is being counted by an end not committed yet: which of
@@ -286,18 +286,27 @@ def _settle(
             # its end is counted after this commit (or by a sweep, should that be lost).
             uncounted.extend((job_id, on) for on, _ in by_dependent[job_id])
         if uncounted:
-            conn.execute(*wsql.unsettle_edges(uncounted))
+            _run(conn, wsql.unsettle_edges(uncounted))
             later.extend({on: None for _, on in uncounted})
         pending = _end_dependents(conn, cancels, releases, dialect, now, woken)
     _wake(conn, woken, dialect)
     return later
 
 
+def _run(conn: Connection, statement: tuple[Executable, Any]) -> direct.Rows:
+    """A statement of the settle, on the hot path (``direct``): an executemany of one row as
+    one statement."""
+    executable, params = statement
+    if isinstance(params, list) and len(params) == 1:
+        params = params[0]
+    return direct.execute(conn, executable, params)
+
+
 def _unlocked_pending(conn: Connection, job_id: uuid.UUID, own: uuid.UUID) -> bool:
     """Whether the dependent has a row still pending that no transaction holds (read after
     the row of ``own``, then before it), share-locked."""
     return any(
-        conn.execute(*wsql.unlocked_pending_of(job_id, own, after=after)).first() is not None
+        _run(conn, wsql.unlocked_pending_of(job_id, own, after=after)).rows
         for after in (True, False)
     )
 
@@ -311,7 +320,7 @@ def _pending_edges(
     edges: list[tuple[uuid.UUID, uuid.UUID, str]] = []
     for start in range(0, len(ended), _CHUNK):
         chunk = ended[start : start + _CHUNK]
-        edges.extend((row[0], row[1], row[2]) for row in conn.execute(*read(chunk)))
+        edges.extend((row[0], row[1], row[2]) for row in _run(conn, read(chunk)))
     return edges
 
 
@@ -321,10 +330,10 @@ def _drop_waits(
     """Delete the waiters' rows of ended jobs, and wake the waiters (PostgreSQL)."""
     if not waits:
         return
-    conn.execute(*wsql.drop_waits(waits))
+    _run(conn, wsql.drop_waits(waits))
     if dialect.notifies:
         for on in sorted({on for _, on in waits}):
-            conn.execute(*wsql.notify_done(on))
+            _run(conn, wsql.notify_done(on))
 
 
 def _wake(conn: Connection, woken: set[str], dialect: Dialect) -> None:
@@ -332,7 +341,7 @@ def _wake(conn: Connection, woken: set[str], dialect: Dialect) -> None:
     if woken:
         if dialect.notifies:
             for queue in sorted(woken):
-                conn.execute(*sql.notify_queue(queue))
+                _run(conn, sql.notify_queue(queue))
         wakeups.enqueued(conn, woken)
 
 
@@ -376,7 +385,7 @@ def _end_dependents(
     dependents = sorted({*cancels, *releases})
     for start in range(0, len(dependents), _CHUNK):
         chunk = dependents[start : start + _CHUNK]
-        for job in conn.execute(*wsql.lock_dependents(chunk)).mappings():
+        for job in _run(conn, wsql.lock_dependents(chunk)).mappings():
             job_id = job["job_id"]
             if job_id in cancels:
                 _cancel_dependent(conn, dict(job), cancels[job_id], dialect, now)
@@ -385,7 +394,7 @@ def _end_dependents(
                 released.append(job_id)
                 woken.add(job["queue"])
     if released:
-        conn.execute(*wsql.release(released))
+        _run(conn, wsql.release(released))
     return cancelled
 
 
