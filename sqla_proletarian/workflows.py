@@ -260,7 +260,7 @@ def _settle(
     woken: set[str] = set()
     later: list[uuid.UUID] = []
     while pending:
-        edges = _pending_edges(conn, list(pending), dialect.settles_in_one)
+        edges, unlocked = _pending_edges(conn, list(pending), dialect.settles_in_one)
         if not edges:
             break
         _drop_waits(
@@ -276,8 +276,10 @@ def _settle(
         releases: list[uuid.UUID] = []
         uncounted: list[tuple[uuid.UUID, uuid.UUID]] = []
         for job_id in sorted(by_dependent.keys() - cancels.keys()):
-            if _unlocked_pending(conn, job_id, by_dependent[job_id][0][0]):
+            if unlocked is not None and job_id in unlocked:
                 continue  # a dependency that has not ended: its end counts this one's
+            if _unlocked_pending(conn, job_id, by_dependent[job_id][0][0], unlocked is None):
+                continue
             if not _run(conn, wsql.any_pending_of(job_id)).rows:
                 releases.append(job_id)  # the last end
                 continue
@@ -302,26 +304,31 @@ def _run(conn: Connection, statement: tuple[Executable, Any]) -> direct.Rows:
     return direct.execute(conn, executable, params)
 
 
-def _unlocked_pending(conn: Connection, job_id: uuid.UUID, own: uuid.UUID) -> bool:
+def _unlocked_pending(conn: Connection, job_id: uuid.UUID, own: uuid.UUID, after_too: bool) -> bool:
     """Whether the dependent has a row still pending that no transaction holds (read after
-    the row of ``own``, then before it), share-locked."""
+    the row of ``own``, unless read already, then before it), share-locked."""
     return any(
         _run(conn, wsql.unlocked_pending_of(job_id, own, after=after)).rows
-        for after in (True, False)
+        for after in ((True, False) if after_too else (False,))
     )
 
 
 def _pending_edges(
     conn: Connection, ended: list[uuid.UUID], settling: bool
-) -> list[tuple[uuid.UUID, uuid.UUID, str]]:
+) -> tuple[list[tuple[uuid.UUID, uuid.UUID, str]], set[uuid.UUID] | None]:
     """The rows waiting for ``ended``, locked (``settling``: marked counted too, but for
-    waiters' rows)."""
+    waiters' rows, and the dependents found to have a row pending after one of them that
+    no transaction holds; else None)."""
     read = wsql.settle_pending_on if settling else wsql.pending_on
     edges: list[tuple[uuid.UUID, uuid.UUID, str]] = []
+    unlocked: set[uuid.UUID] | None = set() if settling else None
     for start in range(0, len(ended), _CHUNK):
         chunk = ended[start : start + _CHUNK]
-        edges.extend((row[0], row[1], row[2]) for row in _run(conn, read(chunk)))
-    return edges
+        for row in _run(conn, read(chunk)):
+            edges.append((row[0], row[1], row[2]))
+            if unlocked is not None and row[3] is not None:
+                unlocked.add(row[0])
+    return edges, unlocked
 
 
 def _drop_waits(

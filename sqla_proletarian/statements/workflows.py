@@ -133,14 +133,37 @@ _SETTLED_EDGES = (
     .values(pending=false())
     .cte("settled_edges")
 )
+# Each row's dependent's next row still pending that no transaction holds (as
+# ``unlocked_pending_of`` after it), the ended jobs' own rows left out: the statement reads
+# them as they were before its UPDATE.
+_NEXT = DEPENDENCY.alias("next_edge")
+_NEXT_PENDING = (
+    select(_NEXT.c.depends_on)
+    .where(
+        _NEXT.c.job_id == _LOCKED_EDGES.c.job_id,
+        _NEXT.c.pending == true(),
+        _NEXT.c.kind != WAIT_KIND,
+        _NEXT.c.depends_on > _LOCKED_EDGES.c.depends_on,
+        _NEXT.c.depends_on.not_in(_IDS),
+    )
+    .order_by(_NEXT.c.depends_on)
+    .limit(1)
+    .with_for_update(read=True, skip_locked=True)
+    .correlate(_LOCKED_EDGES)
+    .scalar_subquery()
+)
 _SETTLE_PENDING_ON = select(
-    _LOCKED_EDGES.c.job_id, _LOCKED_EDGES.c.depends_on, _LOCKED_EDGES.c.kind
+    _LOCKED_EDGES.c.job_id,
+    _LOCKED_EDGES.c.depends_on,
+    _LOCKED_EDGES.c.kind,
+    _NEXT_PENDING.label("next_pending"),
 ).add_cte(_SETTLED_EDGES)
 
 
 def settle_pending_on(job_ids: Sequence[uuid.UUID]) -> Statement:
     """PostgreSQL: ``pending_on`` and ``settle_edges`` of what it found, in one statement
-    (the rows locked in the same order; a waiter's row is left for ``drop_waits``)."""
+    (the rows locked in the same order; a waiter's row is left for ``drop_waits``), and for
+    each, ``unlocked_pending_of`` its dependent after it (``next_pending``)."""
     return _SETTLE_PENDING_ON, {"ids": list(job_ids)}
 
 
