@@ -257,9 +257,9 @@ def _of_dependent(*columns: Any) -> Any:
     )
 
 
-# From a row of the ended dependency's on, so that the ends of a fan-in's parts read from all
-# over its range, each past the few rows counted after its own: read from the range's start,
-# each would pass all the rows counted so far.
+# Read from the ended dependency's own row on, so that the ends of a fan-in's parts read all
+# over the dependent's range, each past the few rows counted after its own (read from the
+# range's start, each would pass every row counted so far).
 _FROM = bindparam("b_from", type_=DEPENDENCY.c.depends_on.type)
 _UNLOCKED_PENDING_AFTER = (
     _of_dependent(DEPENDENCY.c.depends_on)
