@@ -173,8 +173,9 @@ class Job(Base):
         Column("concurrency_key", name_type(), nullable=True),
         # How often a handler snoozed the job (``sp.Snooze``): runs that took no attempt.
         Column("snoozes", SmallInteger(), nullable=False, server_default=text("0")),
-        # How many of its dependencies (``depends_on``) have not ended yet: while it is above
-        # 0 the job waits, its ``process_at`` is ``WAITING_AT`` and ``due_at`` its own.
+        # How many of its dependencies (``depends_on``) had not ended at its enqueue: while it
+        # is above 0 the job waits, its ``process_at`` is ``WAITING_AT`` and ``due_at`` its
+        # own; -1 once the last one's end is counted (its dependency rows say which are).
         Column("waiting_on", Integer(), nullable=False, server_default=text("0")),
         Index("ix_proletarian_job_poll", "queue", "run_order", "process_at", "seq"),
         # MySQL and MariaDB get theirs from ``unique_slot_ddl`` (see there why).
@@ -516,8 +517,8 @@ class Dependency(Base):
     ``kind`` is the dependent's ``on_dependency_failure`` (``"cancel"`` or ``"run"``), or
     ``"wait"`` for a ``wait_for_result`` caller waiting on ``depends_on`` (``job_id`` is then
     the wait's own id, not a job's). ``pending``: the end of ``depends_on`` is not yet counted
-    in the dependent's ``waiting_on``. Rows stay after they are settled (the dashboard draws
-    the graph from them) until ``prune_archive`` removes the dependent. See
+    (the dependent waits while any of its rows is). Rows stay after they are settled (the
+    dashboard draws the graph from them) until ``prune_archive`` removes the dependent. See
     ``sqla_proletarian.workflows``."""
 
     __tablename__ = DEPENDENCY_TABLE

@@ -20,7 +20,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import QueuePool
 
-from sqla_proletarian import wakeups
+from sqla_proletarian import wakeups, workflows
 from sqla_proletarian.dialects import Dialect, dialect_of
 from sqla_proletarian.errors import ConfigurationError
 from sqla_proletarian.exits import EXIT_JOBS_UNFINISHED, exit_after_stop, write_stderr
@@ -787,3 +787,4 @@ def process_next_job(engine: Engine, handler: Callable[..., Any], **options: Any
         return runner.process_one()
     finally:
         runner.progress.wait_written()
+        workflows.count_later(engine, runner.now)

@@ -587,16 +587,38 @@ def drop_waits(dialect: Dialect) -> Statement:
     return _one_row(workflows.drop_waits([(IDS[1], IDS[0])]))
 
 
-@_hot({JOB: JOB_ID_INDEX})
-def count_down(dialect: Dialect) -> Statement:
-    """The end of jobs with dependents: each dependent's count of dependencies left."""
-    return _one_row(workflows.count_down({IDS[1]: 1}))
+@_hot({DEPENDENCY: DEPENDENCY_KEY})
+def unlocked_pending_after(dialect: Dialect) -> Statement:
+    """The end of a job with dependents: for each dependent, one of its rows still pending
+    that no end is counting right now, share-locked, read from the ended job's row on."""
+    return workflows.unlocked_pending_of(IDS[1], IDS[0], after=True)
+
+
+@_hot({DEPENDENCY: DEPENDENCY_KEY})
+def unlocked_pending_before(dialect: Dialect) -> Statement:
+    """The end of a job with dependents, for a dependent that has no such row after the
+    ended job's: one before it (none either: maybe this end is the last)."""
+    return workflows.unlocked_pending_of(IDS[1], IDS[0], after=False)
+
+
+@_hot({DEPENDENCY: DEPENDENCY_KEY})
+def any_pending_of(dialect: Dialect) -> Statement:
+    """The end of a job whose dependent has no row left pending that no end is counting:
+    whether any is pending (none: this end is the last, and releases the dependent)."""
+    return workflows.any_pending_of(IDS[1])
+
+
+@_hot(_EDGE)
+def unsettle_edges(dialect: Dialect) -> Statement:
+    """The end of a job whose dependent's other pending rows are all being counted by ends
+    not committed yet: its row pending again, for a count after its commit."""
+    return _one_row(workflows.unsettle_edges([(IDS[1], IDS[0])]))
 
 
 @_hot({JOB: JOB_ID_INDEX})
 def release_dependents(dialect: Dialect) -> Statement:
     """The end of a dependent's last dependency: the dependent made due."""
-    return _one_row(workflows.release({IDS[1]: 1}))
+    return _one_row(workflows.release([IDS[1]]))
 
 
 @_hot(sent_by=_notifies)
@@ -616,14 +638,30 @@ def stranded(dialect: Dialect) -> Statement:
 
 @_hot({ARCHIVE: ARCHIVE_KEY})
 def ended_jobs(dialect: Dialect) -> Statement:
-    """A sweep that found ended jobs: their archive status."""
+    """A sweep that found ended jobs, or a count of ends after their commit: their archive
+    status."""
     return workflows.ended_jobs(IDS)
 
 
 @_hot({JOB: JOB_ID_INDEX})
 def live_jobs(dialect: Dialect) -> Statement:
-    """A sweep that found ended jobs: those back in the queue."""
+    """A sweep that found ended jobs, or a count of ends after their commit: those still
+    (or back) in the queue."""
     return workflows.live_jobs(IDS)
+
+
+@_hot({DEPENDENCY: (DEPENDS_ON_INDEX, PENDING_INDEX)})
+def waiting_on(dialect: Dialect) -> Statement:
+    """A sweep that found ended jobs, or a count of ends after their commit: the rows
+    waiting for them, read without a lock."""
+    return workflows.waiting_on(IDS)
+
+
+@_hot({DEPENDENCY: DEPENDENCY_KEY})
+def lock_pending_of(dialect: Dialect) -> Statement:
+    """A sweep that found ended jobs, or a count of ends after their commit: each
+    dependent's rows still pending, locked in key order."""
+    return workflows.lock_pending_of(IDS[1])
 
 
 # --- lease mode -------------------------------------------------------------------------------

@@ -133,14 +133,37 @@ _SETTLED_EDGES = (
     .values(pending=false())
     .cte("settled_edges")
 )
+# Each row's dependent's next row still pending that no transaction holds (as
+# ``unlocked_pending_of`` after it), the ended jobs' own rows left out: the statement reads
+# them as they were before its UPDATE.
+_NEXT = DEPENDENCY.alias("next_edge")
+_NEXT_PENDING = (
+    select(_NEXT.c.depends_on)
+    .where(
+        _NEXT.c.job_id == _LOCKED_EDGES.c.job_id,
+        _NEXT.c.pending == true(),
+        _NEXT.c.kind != WAIT_KIND,
+        _NEXT.c.depends_on > _LOCKED_EDGES.c.depends_on,
+        _NEXT.c.depends_on.not_in(_IDS),
+    )
+    .order_by(_NEXT.c.depends_on)
+    .limit(1)
+    .with_for_update(read=True, skip_locked=True)
+    .correlate(_LOCKED_EDGES)
+    .scalar_subquery()
+)
 _SETTLE_PENDING_ON = select(
-    _LOCKED_EDGES.c.job_id, _LOCKED_EDGES.c.depends_on, _LOCKED_EDGES.c.kind
+    _LOCKED_EDGES.c.job_id,
+    _LOCKED_EDGES.c.depends_on,
+    _LOCKED_EDGES.c.kind,
+    _NEXT_PENDING.label("next_pending"),
 ).add_cte(_SETTLED_EDGES)
 
 
 def settle_pending_on(job_ids: Sequence[uuid.UUID]) -> Statement:
     """PostgreSQL: ``pending_on`` and ``settle_edges`` of what it found, in one statement
-    (the rows locked in the same order; a waiter's row is left for ``drop_waits``)."""
+    (the rows locked in the same order; a waiter's row is left for ``drop_waits``), and for
+    each, ``unlocked_pending_of`` its dependent after it (``next_pending``)."""
     return _SETTLE_PENDING_ON, {"ids": list(job_ids)}
 
 
@@ -190,25 +213,13 @@ def lock_dependents(job_ids: Sequence[uuid.UUID]) -> Statement:
     return _DEPENDENTS, {"ids": sorted(job_ids)}
 
 
-_COUNT_DOWN = (
-    update(JOB)
-    .where(JOB.c.job_id == bindparam("b_job_id"), JOB.c.waiting_on >= bindparam("ended"))
-    .values(waiting_on=JOB.c.waiting_on - bindparam("ended"))
-)
-
-
-def count_down(ended: dict[uuid.UUID, int]) -> Many:
-    """Take ``ended[job_id]`` ended dependencies off each waiting job's count."""
-    return _COUNT_DOWN, [{"b_job_id": job_id, "ended": n} for job_id, n in ended.items()]
-
-
 # ``process_at`` is set from ``due_at`` before ``due_at`` is cleared: MySQL applies a single
 # table UPDATE's assignments in order, the others all from the row as it was.
 _RELEASE = (
     update(JOB)
     .where(
         JOB.c.job_id == bindparam("b_job_id"),
-        JOB.c.waiting_on <= bindparam("ended"),
+        JOB.c.waiting_on > 0,
         JOB.c.lease_token.is_(None),
         JOB.c.process_at == bindparam("waiting_at", type_=JOB.c.process_at.type),
     )
@@ -218,13 +229,95 @@ _RELEASE = (
 )
 
 
-def release(ended: dict[uuid.UUID, int]) -> Many:
-    """Make the waiting jobs that ``ended[job_id]`` ended dependencies leave waiting on
-    nothing due at their own time (their ``waiting_on`` ``HAD_DEPENDENCIES``), without
-    counting those ends down first."""
-    return _RELEASE, [
-        {"b_job_id": job_id, "ended": n, "waiting_at": WAITING_AT} for job_id, n in ended.items()
-    ]
+def release(job_ids: Sequence[uuid.UUID]) -> Many:
+    """Make waiting jobs whose dependencies have all ended due at their own time (their
+    ``waiting_on`` ``HAD_DEPENDENCIES``)."""
+    return _RELEASE, [{"b_job_id": job_id, "waiting_at": WAITING_AT} for job_id in job_ids]
+
+
+# --- a fan-in: whether an end is the last of a dependent's ------------------------------------
+
+# A dependent's rows still pending but for waiters' (read by the key: MySQL and MariaDB
+# would rather scan a small table, and lock every row they read).
+_BY_KEY = "FORCE INDEX (PRIMARY)"
+_PENDING_OF = and_(
+    DEPENDENCY.c.job_id == bindparam("job_id"),
+    DEPENDENCY.c.pending == true(),
+    DEPENDENCY.c.kind != WAIT_KIND,
+)
+
+
+def _of_dependent(*columns: Any) -> Any:
+    return (
+        select(*columns)
+        .where(_PENDING_OF)
+        .order_by(DEPENDENCY.c.depends_on)
+        .with_hint(DEPENDENCY, _BY_KEY, "mysql")
+        .with_hint(DEPENDENCY, _BY_KEY, "mariadb")
+    )
+
+
+# Read from the ended dependency's own row on, so that the ends of a fan-in's parts read all
+# over the dependent's range, each past the few rows counted after its own (read from the
+# range's start, each would pass every row counted so far).
+_FROM = bindparam("b_from", type_=DEPENDENCY.c.depends_on.type)
+_UNLOCKED_PENDING_AFTER = (
+    _of_dependent(DEPENDENCY.c.depends_on)
+    .where(DEPENDENCY.c.depends_on > _FROM)
+    .limit(1)
+    .with_for_update(read=True, skip_locked=True)
+)
+_UNLOCKED_PENDING_BEFORE = (
+    _of_dependent(DEPENDENCY.c.depends_on)
+    .where(DEPENDENCY.c.depends_on < _FROM)
+    .limit(1)
+    .with_for_update(read=True, skip_locked=True)
+)
+_ANY_PENDING_OF = _of_dependent(DEPENDENCY.c.depends_on).limit(1)
+_LOCK_PENDING_OF = _of_dependent(DEPENDENCY.c.depends_on).with_for_update()
+
+
+def unlocked_pending_of(job_id: uuid.UUID, own: uuid.UUID, *, after: bool) -> Statement:
+    """One of the dependent's rows still pending that no transaction holds (a dependency
+    not ending right now), the first ``after`` (else before) the row ``(job_id, own)`` of
+    an ended dependency, share-locked: that dependency's end, if it comes now, waits for
+    this transaction's commit, and then sees its end counted."""
+    statement = _UNLOCKED_PENDING_AFTER if after else _UNLOCKED_PENDING_BEFORE
+    return statement, {"job_id": job_id, "b_from": own}
+
+
+def any_pending_of(job_id: uuid.UUID) -> Statement:
+    """One of the dependent's rows still pending, read without a lock (rows that other ends
+    are marking, not committed yet, read as pending)."""
+    return _ANY_PENDING_OF, {"job_id": job_id}
+
+
+def lock_pending_of(job_id: uuid.UUID) -> Statement:
+    """All of the dependent's rows still pending, locked in key order (waiting for the ends
+    that are marking them)."""
+    return _LOCK_PENDING_OF, {"job_id": job_id}
+
+
+_UNSETTLE = update(DEPENDENCY).where(_EDGE).values(pending=true())
+
+
+def unsettle_edges(edges: Sequence[tuple[uuid.UUID, uuid.UUID]]) -> Many:
+    """Mark rows ``(job_id, depends_on)`` pending again: their end is counted after its
+    commit, by a look of its own."""
+    return _UNSETTLE, _edges(edges)
+
+
+_WAITING_ON = (
+    select(DEPENDENCY.c.job_id, DEPENDENCY.c.depends_on, DEPENDENCY.c.kind)
+    .where(DEPENDENCY.c.depends_on.in_(_IDS), DEPENDENCY.c.pending == true())
+    .with_hint(DEPENDENCY, _BY_DEPENDS_ON, "mysql")
+    .with_hint(DEPENDENCY, _BY_DEPENDS_ON, "mariadb")
+)
+
+
+def waiting_on(job_ids: Sequence[uuid.UUID]) -> Statement:
+    """The rows still waiting for the end of one of ``job_ids``, read without a lock."""
+    return _WAITING_ON, {"ids": list(job_ids)}
 
 
 # --- the sweep: ends that no settle counted --------------------------------------------------
@@ -283,8 +376,8 @@ def dependencies_of(job_id: uuid.UUID) -> Statement:
 
 __all__ = [
     "DEPENDENCY",
+    "any_pending_of",
     "any_pending_on",
-    "count_down",
     "dependencies_of",
     "drop_waits",
     "ended_jobs",
@@ -292,6 +385,7 @@ __all__ = [
     "insert_dependents",
     "live_jobs",
     "lock_dependents",
+    "lock_pending_of",
     "mark_dependents",
     "notify_done",
     "pending_on",
@@ -299,5 +393,8 @@ __all__ = [
     "settle_edges",
     "settle_pending_on",
     "stranded",
+    "unlocked_pending_of",
+    "unsettle_edges",
     "waiting_for",
+    "waiting_on",
 ]
