@@ -96,6 +96,8 @@ def _field_names(job: JobContext) -> tuple[str, ...]:
     if names is None:
         names = _FIELD_NAMES[type(job)] = tuple(f.name for f in dataclasses.fields(job))
     return names
+
+
 T = TypeVar("T")
 
 
