@@ -71,8 +71,8 @@ class WorkerConnections:
     #: SQLite, where that read keeps an idle claim from taking the write lock.
     claimed_last: bool = False
     #: Whether a job was announced since (a NOTIFY, an enqueue in this process, another
-    #: thread's claim that may have left jobs due): the next claim polls at once too, with
-    #: no read first, which would cost its own transaction before the job's.
+    #: thread's claim that may have left jobs due): a worker of one queue then polls at once
+    #: too, with no read first, which would cost its own transaction before the job's.
     announced: bool = False
 
     @property
@@ -308,9 +308,11 @@ class JobRunner(RunnerBase):
     def _claim_one(self, connections: WorkerConnections) -> bool:
         self._clear_orphans(connections)
         queues = self.settings.queues
-        if not connections.claimed_last and not connections.announced:
+        if not connections.claimed_last and not (connections.announced and len(queues) == 1):
             # After a claim that took nothing, one read of all the queues first: the claim
-            # polls only those that may have a due job, and is not made when none may.
+            # polls only those that may have a due job, and is not made when none may. A
+            # worker of one queue woken for a job polls it at once (of several queues, the
+            # read costs less than a poll of each).
             queues = self._queue_ends(connections.conn).to_poll(self.now())
             if not queues:
                 return False
