@@ -196,9 +196,9 @@ def test_a_rate_limit_with_room_to_spare_reserves_for_many_claims_at_once(
 def test_a_rate_limit_per_key_counts_each_key_apart(
     database: Any, engine: sa.Engine, mode: str
 ) -> None:
-    # A window of a second: on a loaded machine the other key's first claim still comes
-    # well within it.
-    set_limits(engine, rate_limit_per_key=(2, 1.0))
+    # A window of two seconds: on a loaded machine (a CI run's shared cores stalled a claim
+    # for over a second) the other key's first claim still comes well within it.
+    set_limits(engine, rate_limit_per_key=(2, 2.0))
     enqueue(engine, 6, key="A")
     enqueue(engine, 6, key="B")
     handler = Intervals(0.001)
@@ -207,9 +207,9 @@ def test_a_rate_limit_per_key_counts_each_key_apart(
     for key in "AB":
         starts = sorted(start for _, run_key, start, _ in handler.runs if run_key == key)
         for index, start in enumerate(starts):
-            assert len([s for s in starts[index:] if s - start < 1.0]) <= 2, key
+            assert len([s for s in starts[index:] if s - start < 2.0]) <= 2, key
     # Neither key waits for the other's windows: each key's first start comes before the
-    # other's third, which its own limit holds at least a second after its first.
+    # other's third, which its own limit holds at least two seconds after its first.
     firsts = {k: sorted(s for _, key, s, _ in handler.runs if key == k) for k in "AB"}
     assert firsts["B"][0] < firsts["A"][2] and firsts["A"][0] < firsts["B"][2], firsts
 

@@ -254,8 +254,9 @@ def test_with_listen_stop_ends_the_long_sleep_at_once(database: Any, backend: st
 def test_with_listen_periodic_occurrences_are_enqueued_on_time_though_the_worker_sleeps(
     database: Any, backend: str
 ) -> None:
-    """Each occurrence of a periodic job is enqueued and run within a few tenths of a second
-    of its time while the idle worker otherwise sleeps."""
+    """Each occurrence of a periodic job is enqueued and run well within its period of its
+    time (a second at most, on a loaded machine) while the idle worker otherwise sleeps (its
+    safety poll comes every 10 s)."""
     if backend != "postgresql":
         pytest.skip("LISTEN/NOTIFY is PostgreSQL's")
     engine = database.engine()
@@ -270,11 +271,11 @@ def test_with_listen_periodic_occurrences_are_enqueued_on_time_though_the_worker
         handler,
         handler_mode="advanced",
         worker_threads=4,
-        periodic_jobs=[sp.PeriodicJob("tick", every=timedelta(seconds=1))],
+        periodic_jobs=[sp.PeriodicJob("tick", every=timedelta(seconds=2))],
     )
     with running(worker):
-        assert wait_for(lambda: len(lateness) >= 2, timeout=5)
-    assert all(0 <= late < 0.4 for late in lateness), lateness
+        assert wait_for(lambda: len(lateness) >= 2, timeout=10)
+    assert all(0 <= late < 1.0 for late in lateness), lateness
 
 
 # --- the asyncio worker -------------------------------------------------------------------
