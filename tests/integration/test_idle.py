@@ -59,14 +59,20 @@ class Statements:
         threading.Event().wait(0.3)
 
     def over(self, seconds: float) -> int:
-        """The statements sent over the next ``seconds`` (a measurement window)."""
-        before = self.count
+        """The statements sent over the next ``seconds`` (a measurement window): on a loaded
+        machine this thread may wake late, and the count is then scaled to ``seconds``."""
+        before, began = self.count, time.monotonic()
         threading.Event().wait(seconds)
-        return self.count - before
+        return scaled(self.count - before, seconds, time.monotonic() - began)
 
     def quiet(self, timeout: float = 5.0) -> bool:
         """Wait until half a second passes without a statement; False after ``timeout``."""
         return wait_for(lambda: self.over(0.5) == 0, timeout=timeout, interval=0)
+
+
+def scaled(sent: int, seconds: float, elapsed: float) -> int:
+    """``sent`` statements counted over ``elapsed`` seconds, as over ``seconds``."""
+    return round(sent * seconds / elapsed) if elapsed > seconds else sent
 
 
 @contextmanager

@@ -23,7 +23,7 @@ import sqlalchemy as sa
 from helpers import enqueue_committed, running, wait_for
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.orm import Session
-from test_idle import counted, elsewhere, require_listen
+from test_idle import counted, elsewhere, require_listen, scaled
 from test_query_plan import POLL_WORK, explain_as_sent, postgresql_plan, scans
 from test_several_queues import ASYNC_DRIVER, MODE_IDS, MODES, PREFIX
 
@@ -101,9 +101,9 @@ def async_idle_statements(url: sa.URL, queues: list[str], mode: dict[str, Any]) 
                     while statements.count == 0:
                         await asyncio.sleep(0.02)
                     await asyncio.sleep(0.5)
-                    before = statements.count
+                    before, began = statements.count, time.monotonic()
                     await asyncio.sleep(WINDOW)
-                    return statements.count - before
+                    return scaled(statements.count - before, WINDOW, time.monotonic() - began)
         finally:
             await engine.dispose()
 
