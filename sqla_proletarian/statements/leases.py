@@ -192,26 +192,38 @@ _END_LEASE = delete(JOB).where(*_OWN_LEASE, _NOT_CANCELLED)
 _CANCEL_LEASE = delete(JOB).where(*_OWN_LEASE)
 
 
-@cache
-def _archive_lease(upsert: ArchiveUpsert, cancelling: bool) -> Executable:
-    fence = _OWN_LEASE if cancelling else (*_OWN_LEASE, _NOT_CANCELLED)
-    done = delete(JOB).where(*fence).returning(*JOB_COLUMNS).cte("done")
-    rows = select(
+def _archive_row(done: Any, *, attempts: Any, status: Any, error: Any, result: Any) -> Any:
+    """The archive row of each job a DELETE ... RETURNING (the CTE ``done``) removed, in the
+    archive insert's column order, finished at ``now``: what differs between ends given."""
+    return select(
         done.c.job_id,
         done.c.queue,
         done.c.job_type,
         done.c.payload,
-        bindparam("attempts", type_=ARCHIVE.c.attempts.type),
+        attempts,
         done.c.enqueued_at,
         func.coalesce(done.c.due_at, done.c.process_at),
         done.c.run_order,
         done.c.unique_key,
         done.c.concurrency_key,
         done.c.snoozes,
-        bindparam("status", type_=ARCHIVE.c.status.type),
+        status,
         bindparam("now", type_=ARCHIVE.c.finished_at.type),
-        bindparam("error", type_=ARCHIVE.c.error.type),
-        bindparam("result", type_=ARCHIVE.c.result.type),
+        error,
+        result,
+    )
+
+
+@cache
+def _archive_lease(upsert: ArchiveUpsert, cancelling: bool) -> Executable:
+    fence = _OWN_LEASE if cancelling else (*_OWN_LEASE, _NOT_CANCELLED)
+    done = delete(JOB).where(*fence).returning(*JOB_COLUMNS).cte("done")
+    rows = _archive_row(
+        done,
+        attempts=bindparam("attempts", type_=ARCHIVE.c.attempts.type),
+        status=bindparam("status", type_=ARCHIVE.c.status.type),
+        error=bindparam("error", type_=ARCHIVE.c.error.type),
+        result=bindparam("result", type_=ARCHIVE.c.result.type),
     )
     statement = _upserted(upsert, rows).add_cte(done).returning(waiting_for(_OWN_LEASE[0].right))
     return statement.execution_options(preserve_rowcount=True)
@@ -314,23 +326,14 @@ def _complete_leases(upsert: ArchiveUpsert, with_results: bool) -> Executable:
         .cte("done")
     )
     cancelled = done.c.cancel_requested_at.is_not(None)
-    rows = select(
-        done.c.job_id,
-        done.c.queue,
-        done.c.job_type,
-        done.c.payload,
-        # The claim counted the run.
-        done.c.attempts,
-        done.c.enqueued_at,
-        func.coalesce(done.c.due_at, done.c.process_at),
-        done.c.run_order,
-        done.c.unique_key,
-        done.c.concurrency_key,
-        done.c.snoozes,
-        case((cancelled, literal("cancelled", String(16))), else_=literal("success", String(16))),
-        bindparam("now", type_=ARCHIVE.c.finished_at.type),
-        null(),
-        case((cancelled, null()), else_=done.c.result),
+    rows = _archive_row(
+        done,
+        attempts=done.c.attempts,  # the claim counted the run
+        status=case(
+            (cancelled, literal("cancelled", String(16))), else_=literal("success", String(16))
+        ),
+        error=null(),
+        result=case((cancelled, null()), else_=done.c.result),
     )
     statement = (
         _upserted(upsert, rows)
