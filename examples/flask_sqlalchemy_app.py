@@ -17,7 +17,7 @@ then::
 
 ``flask ... run-jobs --until-empty`` runs the due jobs one by one and exits (from cron, or a
 test). Set ``DATABASE_URL`` for another database, e.g. the one ``make examples.db.install``
-creates: ``DATABASE_URL=postgresql+psycopg://postgres@127.0.0.1:55432/proletarian``.
+creates: ``DATABASE_URL=postgresql+psycopg://postgres@127.0.0.1:25432/proletarian``.
 
 What is particular to Flask-SQLAlchemy:
 

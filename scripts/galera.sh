@@ -11,7 +11,7 @@
 #   scripts/galera.sh env          print the env file (shell `export` lines)
 #   scripts/galera.sh status       each node: running or not, its wsrep state and cluster size
 #
-# The nodes listen on 127.0.0.1 ports ${SP_GALERA_PORTS:-53316 53317 53318}; node N's group
+# The nodes listen on 127.0.0.1 ports ${SP_GALERA_PORTS:-23326 23327 23328}; node N's group
 # communication (gcomm) listens on its port + 1000, its IST receiver on + 1100 and its rsync SST
 # receiver on + 1200. The first node of a new cluster is bootstrapped (--wsrep-new-cluster);
 # the others join it with an rsync state transfer. State lives in
@@ -21,7 +21,7 @@
 set -euo pipefail
 
 STATE="${SP_GALERA_DIR:-/tmp/sqla-proletarian-galera}"
-read -r -a PORTS <<<"${SP_GALERA_PORTS:-53316 53317 53318}"
+read -r -a PORTS <<<"${SP_GALERA_PORTS:-23326 23327 23328}"
 ((${#PORTS[@]} == 3)) || { echo "galera: ERROR: SP_GALERA_PORTS needs three ports" >&2; exit 2; }
 MY_USER=root   # root@127.0.0.1: no password, ALL PRIVILEGES WITH GRANT OPTION
 PROVIDER=${SP_GALERA_PROVIDER:-/usr/lib/galera/libgalera_smm.so}
@@ -32,6 +32,8 @@ IS_ROOT=0; [[ $(id -u) -eq 0 ]] && IS_ROOT=1
 
 log() { echo "galera: $*" >&2; }
 die() { echo "galera: ERROR: $*" >&2; exit 1; }
+# shellcheck source=scripts/ports.sh
+source "$(dirname "$SCRIPT")/ports.sh"
 
 # ---------------------------------------------------------------- helpers --
 
@@ -115,6 +117,8 @@ node_launch() {
     dir=$(node_dir "$n"); port=$(node_port "$n"); gport=$(gcomm_port "$n")
     for m in 1 2 3; do peers+="${peers:+,}127.0.0.1:$(gcomm_port "$m")"; done
     rm -f "$dir/mysqld.sock" "$dir/mysqld.sock.lock"
+    free_port "$port" "$STATE"
+    free_port "$gport" "$STATE"
     local user_opt=(); ((IS_ROOT)) && user_opt=(--user=mysql)
     # Failure detection in seconds rather than the default 15: a killed node is dropped from
     # the group quickly, so the others go on committing.
@@ -154,7 +158,7 @@ wait_synced() {
         sleep 0.1
     done
     tail -n 40 "$(node_dir "$n")/server.log" >&2 || true
-    die "node $n (port $(node_port "$n")) did not become synced"
+    die "node $n (port $(node_port "$n"), holding it: $(port_holders "$(node_port "$n")")) did not become synced"
 }
 
 primary() { [[ $(wsrep_var "$1" wsrep_cluster_status) == Primary ]]; }

@@ -14,7 +14,7 @@
 #
 # State lives in ${SP_PGPAIR_DIR:-/tmp/sqla-proletarian-pgpair} (reachable by the postgres
 # user when run as root). The servers listen on 127.0.0.1 only: the first primary on
-# ${SP_PGPAIR_PRIMARY_PORT:-55442}, its standby on ${SP_PGPAIR_STANDBY_PORT:-55443}; user
+# ${SP_PGPAIR_PRIMARY_PORT:-25452}, its standby on ${SP_PGPAIR_STANDBY_PORT:-25453}; user
 # postgres, trust authentication. Tuned for speed (fsync off) but with synchronous
 # replication (synchronous_standby_names='*', synchronous_commit=on): a commit returns once
 # the standby has it. SP_PGPAIR_SYNC=0 makes the replication asynchronous (`start`/`ensure`
@@ -23,8 +23,8 @@
 set -euo pipefail
 
 STATE="${SP_PGPAIR_DIR:-/tmp/sqla-proletarian-pgpair}"
-PRIMARY_PORT=${SP_PGPAIR_PRIMARY_PORT:-55442}
-STANDBY_PORT=${SP_PGPAIR_STANDBY_PORT:-55443}
+PRIMARY_PORT=${SP_PGPAIR_PRIMARY_PORT:-25452}
+STANDBY_PORT=${SP_PGPAIR_STANDBY_PORT:-25453}
 SYNC=${SP_PGPAIR_SYNC:-1}
 BINDIR=${SP_PGPAIR_BINDIR:-/usr/lib/postgresql/15/bin}
 
@@ -40,6 +40,8 @@ IS_ROOT=0; [[ $(id -u) -eq 0 ]] && IS_ROOT=1
 
 log() { echo "pgpair: $*" >&2; }
 die() { echo "pgpair: ERROR: $*" >&2; exit 1; }
+# shellcheck source=scripts/ports.sh
+source "$(dirname "$SCRIPT")/ports.sh"
 
 # ---------------------------------------------------------------- helpers --
 
@@ -70,19 +72,20 @@ pg_running() {
     [[ $pid =~ ^[0-9]+$ ]] && alive "$pid" postgres
 }
 
-# pg_start DIR
+# pg_start DIR PORT
 pg_start() {
-    local dir=$1
+    local dir=$1 port=$2
     pg_running "$dir" && return 0
     rm -f "$dir/data/postmaster.pid"
-    pg pg_ctl -D "$dir/data" -l "$dir/server.log" -w -t 60 start >/dev/null \
-        || { tail -n 30 "$dir/server.log" >&2 || true; die "PostgreSQL in $dir did not start (port in use?)"; }
+    bind_retry "$port" "$dir/server.log" pg pg_ctl -D "$dir/data" -l "$dir/server.log" -w -t 60 start >/dev/null \
+        || { tail -n 30 "$dir/server.log" >&2 || true; die "PostgreSQL in $dir did not start on port $port"; }
 }
 
 # pg_stop DIR MODE
 pg_stop() {
     pg_running "$1" || return 0
-    pg pg_ctl -D "$1/data" -m "$2" -w -t 60 stop >/dev/null || true
+    pg pg_ctl -D "$1/data" -m "$2" -w -t 60 stop >/dev/null \
+        || pg pg_ctl -D "$1/data" -m immediate -w -t 60 stop >/dev/null || true
 }
 
 # wait_for PORT QUERY EXPECTED SECONDS: poll until QUERY on PORT returns EXPECTED.
@@ -145,6 +148,8 @@ EOF
 build_pair() {
     pg_stop "$STANDBY" immediate
     pg_stop "$PRIMARY" immediate
+    free_port "$STANDBY_PORT" "$STATE" QUIT
+    free_port "$PRIMARY_PORT" "$STATE" QUIT
     rm -f "$FAILED_OVER" "$ENV_FILE"
     make_template
     rm -rf "$PRIMARY" "$STANDBY"
@@ -161,8 +166,8 @@ unix_socket_directories = '$STANDBY'
 primary_conninfo = 'host=127.0.0.1 port=$PRIMARY_PORT user=postgres application_name=standby'
 synchronous_standby_names = ''
 EOF
-    pg_start "$PRIMARY"
-    pg_start "$STANDBY"
+    pg_start "$PRIMARY" "$PRIMARY_PORT"
+    pg_start "$STANDBY" "$STANDBY_PORT"
     wait_for "$PRIMARY_PORT" \
         "SELECT count(*) FROM pg_stat_replication WHERE state = 'streaming'" 1 60 \
         || { tail -n 30 "$STANDBY/server.log" >&2 || true; die "the standby did not start streaming"; }

