@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 import uuid
@@ -35,7 +34,7 @@ from sqla_proletarian.errors import (
 from sqla_proletarian.flow import FlowClaim, Reserved, too_late
 from sqla_proletarian.handlers import JobContext, JobSession, SessionOnFirstUse, StopSignal
 from sqla_proletarian.ledger import ClaimRecords
-from sqla_proletarian.logs import log_event
+from sqla_proletarian.logs import log_event, logger
 from sqla_proletarian.running import (
     Failure,
     Outcome,
@@ -745,7 +744,6 @@ class JobRunner(RunnerBase):
     def _run(self, conn: Connection, claim: _Claim) -> tuple[Outcome, Failure | None]:
         """Run the handler and write the outcome into the claim's transaction."""
         job = claim.job
-        fields = self._fields(job)
         # The job's Session is made when first read: by an advanced handler (job.session),
         # current_job().session, a retry strategy or a failed-job handler. A handler of
         # (job_type, payload) gets its context only from current_job(), made on first use.
@@ -754,11 +752,16 @@ class JobRunner(RunnerBase):
         try:
             payload, decode_error = self._payload(job)
             signal = StopSignal()
+            made: list[JobContext] = []
 
-            @functools.cache
             def context_of() -> JobContext:
-                on_first_use = SessionOnFirstUse(session.made)
-                return self._context(job, payload, cast(Session, on_first_use), signal, conn)
+                """The job's context, made on first use."""
+                if not made:
+                    on_first_use = SessionOnFirstUse(session.made)
+                    made.append(
+                        self._context(job, payload, cast(Session, on_first_use), signal, conn)
+                    )
+                return made[0]
 
             context = None if plain else context_of()
             limit = self.settings.max_unclean_ends
@@ -775,11 +778,14 @@ class JobRunner(RunnerBase):
                     claim.past.connection_losses,
                     expired_leases=leased,
                 )
-                log_event(logging.ERROR, "job-crashed", **fields, unclean_ends=unclean)
+                log_event(logging.ERROR, "job-crashed", **self._fields(job), unclean_ends=unclean)
                 return self._fail(conn, claim, context or context_of(), crashed, runs - 1)
             if unclean:
-                log_event(logging.WARNING, "job-interrupted", **fields, unclean_ends=unclean)
-            log_event(logging.DEBUG, "handling-job", **fields)
+                log_event(
+                    logging.WARNING, "job-interrupted", **self._fields(job), unclean_ends=unclean
+                )
+            if logger.isEnabledFor(logging.DEBUG):
+                log_event(logging.DEBUG, "handling-job", **self._fields(job))
             try:
                 if decode_error is not None:
                     raise decode_error
@@ -804,7 +810,7 @@ class JobRunner(RunnerBase):
                 log_event(
                     logging.WARNING,
                     "handle-job-exception",
-                    **fields,
+                    **self._fields(job),
                     error=repr(exc),
                     traceback=describe(exc),
                 )

@@ -63,7 +63,10 @@ class Completer:
             if not self._closing:
                 self._queued.append(run)
                 if len(self._queued) < FLUSH_JOBS:
-                    self._changed.notify()
+                    # Only the first run of a group wakes the thread: it then waits out
+                    # FLUSH_DELAY, which the next ones need not cut short.
+                    if len(self._queued) == 1:
+                        self._changed.notify()
                     return
                 runs, self._queued = self._queued[:FLUSH_JOBS], self._queued[FLUSH_JOBS:]
             else:
@@ -245,10 +248,15 @@ class Feeder:
                 else:
                     self.runner.run_claimed(run, self.completer.add)
             finally:
+                # The poller and the claimers wait for room: they are woken once there is
+                # some, not by every job's end while every thread is busy.
                 with self._lock:
                     self._held -= 1
-                    self._changed.notify_all()
-                self._wake.set()
+                    if self._room(self._share):
+                        self._changed.notify_all()
+                    room = self._room(None)
+                if room:
+                    self._wake.set()
 
     def end(self) -> None:
         """The poller is done: end the claimers (after their claims under way), give the

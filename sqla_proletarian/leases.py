@@ -49,7 +49,7 @@ from sqla_proletarian.errors import (
 from sqla_proletarian.execution import JobRunner, poll_queues
 from sqla_proletarian.flow import too_late
 from sqla_proletarian.handlers import JobContext, JobSession, SessionOnFirstUse, StopSignal
-from sqla_proletarian.logs import log_event
+from sqla_proletarian.logs import log_event, logger
 from sqla_proletarian.running import (
     Failure,
     Outcome,
@@ -745,14 +745,19 @@ class LeaseRunner(RunnerBase):
             self._started_late(job)
             self._release([run])
             return
-        fields = self._fields(job)
         payload, decode_error = self._payload(job)
         session = run.session = RunSession(self.engine, self.dialect)
         on_first_use = cast(Session, SessionOnFirstUse(session.made))
         context = run.context = self._context(job, payload, on_first_use, run.signal)
         if run.unclean_ends:
-            log_event(logging.WARNING, "job-interrupted", **fields, unclean_ends=run.unclean_ends)
-        log_event(logging.DEBUG, "handling-job", **fields)
+            log_event(
+                logging.WARNING,
+                "job-interrupted",
+                **self._fields(job),
+                unclean_ends=run.unclean_ends,
+            )
+        if logger.isEnabledFor(logging.DEBUG):
+            log_event(logging.DEBUG, "handling-job", **self._fields(job))
         run.start()
         try:
             with telemetry.run_span(job, run.claimed_at) as span:

@@ -77,6 +77,13 @@ _RUNNING: dict[str, set[uuid.UUID]] = {}
 LOST_CONNECTION = "(connection lost while the handler ran)"
 
 
+def _new_run_ids(count: int) -> list[uuid.UUID]:
+    """``count`` random (version 4) UUIDs, from one read of the OS's randomness rather than
+    one a UUID."""
+    random = os.urandom(16 * count)
+    return [uuid.UUID(bytes=random[at : at + 16], version=4) for at in range(0, 16 * count, 16)]
+
+
 def new_owner(kind: OwnerLock) -> str | None:
     """The owner token for a new ledger connection (None: owners are not tracked)."""
     if kind == "none":
@@ -380,7 +387,7 @@ class ClaimRecords:
         """Record the claim's runs (committed by the caller on SQLite, at once elsewhere)."""
         now = self.clock()
         batched = len(job_ids) > 1
-        self.run_ids = {job_id: uuid.uuid4() for job_id in job_ids}
+        self.run_ids = dict(zip(job_ids, _new_run_ids(len(job_ids)), strict=True))
         if self.owner is not None:
             with _LOCK:
                 _RUNNING.setdefault(self.owner, set()).update(self.run_ids.values())

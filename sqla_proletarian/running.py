@@ -494,7 +494,7 @@ class RunnerBase:
         failed-job handler."""
         if self._on_outcome is not None:
             self._on_outcome(outcome)
-        if outcome == "succeeded":
+        if outcome == "succeeded" and finished_logger.isEnabledFor(logging.INFO):
             seconds = None if started is None else round(time.monotonic() - started, 3)
             log_to(
                 finished_logger, logging.INFO, "job-finished", **self._fields(job), seconds=seconds
@@ -672,8 +672,14 @@ def rollback_quietly(conn: Connection) -> None:
         log_event(logging.DEBUG, "rollback-error", error=repr(exc))
 
 
+#: Return values that are neither awaitables nor generators, whatever else they are.
+_PLAIN_RESULTS = frozenset({str, int, float, bool, dict, list, tuple, bytes})
+
+
 def _check_result(result: object) -> None:
     """A handler that returned an awaitable or a generator never ran its body: say so."""
+    if result is None or type(result) in _PLAIN_RESULTS:
+        return
     if inspect.isawaitable(result):
         if inspect.iscoroutine(result):
             result.close()

@@ -22,6 +22,7 @@ job carries no stored context skips them).
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import uuid
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 try:
     from opentelemetry import baggage, metrics, propagate, trace
     from opentelemetry import context as otel_context
+    from opentelemetry.metrics import _internal as _metrics_api
 except ImportError:  # the otel extra is not installed: every function below returns at once
     ENABLED = False
 else:
@@ -256,13 +258,32 @@ def _context_from_outside() -> bool:
     return trace.get_current_span().get_span_context().is_valid or bool(baggage.get_all())
 
 
+#: Whether a tracer or meter provider was found set (once set, a provider stays).
+_configured = False
+#: The environment variables that name a provider for the API to load on first use, as
+#: the process started with them (read once: the API's getters read the environment on
+#: every call, a lookup that cost a few microseconds a job).
+_PROVIDER_VARIABLES = ("OTEL_PYTHON_TRACER_PROVIDER", "OTEL_PYTHON_METER_PROVIDER")
+_providers_from_environment = any(name in os.environ for name in _PROVIDER_VARIABLES)
+
+
 def _sdk_configured() -> bool:
     """Whether the application has set a tracer or meter provider: until it does, the API's
     spans and metrics record nothing, so a run with no stored context to carry needs none.
     (Any provider but the API's own placeholders counts.)"""
-    return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider) or (
+    global _configured
+    if _configured:
+        return True
+    if (
+        not _providers_from_environment
+        and getattr(trace, "_TRACER_PROVIDER", ...) is None
+        and getattr(_metrics_api, "_METER_PROVIDER", ...) is None
+    ):
+        return False  # neither is set: the getters would return their placeholders
+    _configured = not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider) or (
         type(metrics.get_meter_provider()).__name__ != "_ProxyMeterProvider"
     )
+    return _configured
 
 
 def job_error(error: BaseException) -> None:

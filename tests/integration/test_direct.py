@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from conftest import Database
 from helpers import archived, enqueue_committed
 from sqlalchemy import exc as sa_exc
+from sqlalchemy.dialects import postgresql
 
 import sqla_proletarian as sp
 from sqla_proletarian import direct, testing
@@ -167,3 +168,32 @@ def test_a_statement_listener_sees_every_worker_statement(engine: sa.Engine) -> 
     text = " ".join(seen).lower()
     assert "for update" in text or "proletarian_job" in text
     assert "proletarian_archived_job" in text
+
+
+def test_id_arrays_go_to_psycopg_as_one_binary_uuid_array(
+    engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through psycopg 3, an array of ids is sent as one ``uuid[]`` that the library builds
+    (``UuidArray``), not element by element by psycopg's list dumper; the server reads the
+    same ids in the same order, an empty array and a large one included."""
+    if (engine.dialect.name, engine.dialect.driver) != ("postgresql", "psycopg"):
+        pytest.skip("UuidArray is psycopg 3's")
+    built: list[int] = []
+    build = direct.uuid_array_binary
+
+    def counted(ids: list[uuid.UUID]) -> bytes:
+        built.append(len(ids))
+        return build(ids)
+
+    monkeypatch.setattr(direct, "uuid_array_binary", counted)
+    array = postgresql.ARRAY(sa.Uuid())
+    statement = sa.select(
+        sa.func.cardinality(sa.bindparam("ids", type_=array)),
+        sa.bindparam("back", type_=array),
+    )
+    many = [uuid.uuid4() for _ in range(2_000)]
+    with engine.connect() as conn:
+        for ids in (many, many[:1], []):
+            rows = direct.execute(conn, statement, {"ids": ids, "back": ids}).rows
+            assert rows == [(len(ids), ids)]
+    assert built == [2_000, 2_000, 1, 1, 0, 0]
