@@ -82,6 +82,7 @@ class _Plan:
         "keys",
         "positions",
         "processors",
+        "processors_but_uuid_arrays",
         "result_types",
         "row_processors",
         "statement",
@@ -117,6 +118,13 @@ class _Plan:
                         self.uuid_arrays += (name,)
         self.positions = compiled.positiontup
         self.processors = cast(Mapping[str, Any], compiled._bind_processors)
+        #: The processors of the parameters but the arrays of UUIDs, which need none when
+        #: sent as ``UuidArray``.
+        self.processors_but_uuid_arrays = {
+            name: process
+            for name, process in self.processors.items()
+            if name not in self.uuid_arrays
+        }
         columns = compiled._result_columns
         self.keys = tuple(column.keyname for column in columns)
         self.result_types = tuple(column.type for column in columns)
@@ -179,7 +187,7 @@ def execute(conn: Connection, statement: Executable, params: Any) -> Rows:
             state.positiontup,
         )
     else:
-        text, processors, positions = plan.text, plan.processors, plan.positions
+        text, processors, positions = plan.text, plan.processors_but_uuid_arrays, plan.positions
         values = compiled.construct_params(params)
     processed: Any
     if positions is not None:
@@ -193,9 +201,11 @@ def execute(conn: Connection, statement: Executable, params: Any) -> Rows:
             for name, value in values.items()
         }
         for name in plan.uuid_arrays:
-            value = processed.get(name)
-            if type(value) is list and all(type(item) is uuid.UUID for item in value):
+            value = values[name]
+            if type(value) in (list, tuple) and all(type(item) is uuid.UUID for item in value):
                 processed[name] = UuidArray(value)
+            elif not plan.expands and name in plan.processors:  # skipped above
+                processed[name] = plan.processors[name](value)
     if not conn.in_transaction():
         conn.begin()
     for listener in conn.dispatch.before_cursor_execute:

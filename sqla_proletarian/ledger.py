@@ -391,6 +391,10 @@ class ClaimRecords:
         if self.owner is not None:
             with _LOCK:
                 _RUNNING.setdefault(self.owner, set()).update(self.run_ids.values())
+        if batched and self.dialect.bulk_insert_unnest:
+            statement = sql.start_batch_runs(self.run_ids, self.worker, self.owner, now)
+            direct.execute(conn, *statement)
+            return
         rows = [
             {
                 "run_id": run_id,

@@ -128,7 +128,14 @@ from sqla_proletarian.statements.pausing import (
     resume_queue,
 )
 from sqla_proletarian.statements.periodic import advance_schedule, schedules, start_schedule
-from sqla_proletarian.statements.runs import end_run, end_runs_by_id, lose_runs, runs_of, start_runs
+from sqla_proletarian.statements.runs import (
+    end_run,
+    end_runs_by_id,
+    lose_runs,
+    runs_of,
+    start_batch_runs,
+    start_runs,
+)
 
 __all__ = [
     "ARCHIVE",
@@ -225,6 +232,7 @@ __all__ = [
     "snooze",
     "snooze_lease",
     "standby_lag",
+    "start_batch_runs",
     "start_runs",
     "start_schedule",
     "type_ends",

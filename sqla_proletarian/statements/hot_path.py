@@ -363,11 +363,8 @@ def start_runs(dialect: Dialect) -> Statement:
 def start_runs_batch(dialect: Dialect) -> Statement:
     """The crash ledger on, a claim of several jobs on PostgreSQL: their run records in one
     ``INSERT ... SELECT unnest(...)``."""
-    rows = [
-        dict(_RUN_ROW, run_id=run_id, job_id=job_id)
-        for run_id, job_id in zip(IDS, IDS[::-1], strict=True)
-    ]
-    return runs.start_runs(rows, unnest=True)
+    run_ids = dict(zip(IDS[::-1], IDS, strict=True))
+    return runs.start_batch_runs(run_ids, "worker", "owner", NOW)
 
 
 @_hot({RUN: RUN_JOB_INDEX})

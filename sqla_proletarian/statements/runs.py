@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
     Executable,
     bindparam,
+    cast,
     delete,
+    func,
     insert,
     select,
     update,
 )
+from sqlalchemy.dialects import postgresql
 
 from sqla_proletarian.statements.base import _BY_ID, RUN, Statement, _delete_by
 from sqla_proletarian.statements.enqueue import _as_arrays, _insert_unnest
@@ -33,6 +37,38 @@ def start_runs(rows: list[dict[str, Any]], *, unnest: bool = False) -> tuple[Exe
     if unnest:
         return _insert_unnest(RUN, _RUN_COLUMNS), _as_arrays(rows, _RUN_COLUMNS)
     return _START_RUNS, rows
+
+
+#: A batch's run records on PostgreSQL: the run and job ids as two arrays, what the records
+#: share (worker, owner, start, ``batched``) as one value each, not an array of copies.
+_START_BATCH_RUNS = insert(RUN).from_select(
+    list(_RUN_COLUMNS),
+    select(
+        *(
+            func.unnest(bindparam(name, type_=postgresql.ARRAY(RUN.c[name].type))).label(name)
+            for name in ("run_id", "job_id")
+        ),
+        *(
+            cast(bindparam(name, type_=RUN.c[name].type), RUN.c[name].type).label(name)
+            for name in ("worker_id", "owner", "started_at", "batched")
+        ),
+    ),
+)
+
+
+def start_batch_runs(
+    run_ids: Mapping[uuid.UUID, uuid.UUID], worker_id: str, owner: str | None, started_at: datetime
+) -> Statement:
+    """The run records of a claim of several jobs, by job id, in one ``INSERT ... SELECT
+    unnest(...)`` (PostgreSQL)."""
+    return _START_BATCH_RUNS, {
+        "run_id": list(run_ids.values()),
+        "job_id": list(run_ids),
+        "worker_id": worker_id,
+        "owner": owner,
+        "started_at": started_at,
+        "batched": True,
+    }
 
 
 _RUNS_OF = select(RUN.c.run_id, RUN.c.owner, RUN.c.batched, RUN.c.worker_id).where(
