@@ -31,7 +31,7 @@ from sqla_proletarian.errors import (
     is_lock_conflict,
     is_transient,
 )
-from sqla_proletarian.flow import FlowClaim, Reserved, too_late
+from sqla_proletarian.flow import COUNTED, FlowClaim, Reserved, too_late
 from sqla_proletarian.handlers import JobContext, JobSession, SessionOnFirstUse, StopSignal
 from sqla_proletarian.ledger import ClaimRecords
 from sqla_proletarian.logs import log_event, logger
@@ -388,13 +388,16 @@ class JobRunner(RunnerBase):
                 self.on_claim()
             claim = claims[0]
             claims = self._record_claim(connections, claims)
-            for claim in claims:
+            for index, claim in enumerate(claims):
                 if self._stopping():
                     # No handler starts after stop(): the jobs not yet run are released at
                     # the commit.
                     break
                 if too_late(claim.job, self.now()):
+                    # It and the batch's jobs after it go back unrun, with their starts.
                     self._started_late(claim.job)
+                    for later in claims[index + 1 :]:
+                        self._flow.give_back(later.job.pop(COUNTED, []))
                     break
                 claim.phase = "running"
                 claim.started = time.monotonic()

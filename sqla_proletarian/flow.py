@@ -57,6 +57,9 @@ START_WITHIN = RATE_MARGIN * 0.75
 #: The key of a claimed job (dict) that a rate limit admitted: the latest time (the worker's
 #: clock) its handler may start at; a run that would start later is given back unrun.
 START_BY = "start_by"
+#: The key of a claimed job (dict) that a rate limit admitted: the starts counted for it (a
+#: start row's id per start), given back should the job go back unrun.
+COUNTED = "counted_starts"
 
 
 def too_late(job: dict[str, Any], now: datetime) -> bool:
@@ -311,9 +314,10 @@ class FlowControl:
         return made
 
     def give_back(self, unused: list[uuid.UUID]) -> None:
-        """Starts a claim reserved and did not use: given back by the runner's next
-        reservation, in its short transaction (never in a claim's, which may last as long as
-        its job, while other workers' reservations would wait for their rows)."""
+        """Starts a claim reserved and did not use (or counted for jobs that went back unrun,
+        too late to start): given back by the runner's next reservation, in its short
+        transaction (never in a claim's, which may last as long as its job, while other
+        workers' reservations would wait for their rows)."""
         with self._pool_lock:
             self.stale.extend(unused)
 
@@ -549,7 +553,7 @@ class FlowClaim:
             if queue_slots:
                 self.taken.append((queue, "", queue_slots[index], job_id))
             if limits.rate_limit is not None:
-                starts[""].pop()
+                job.setdefault(COUNTED, []).append(starts[""].pop())
             if key_slot is not None:
                 self.taken.append((queue, job["concurrency_key"], key_slot, job_id))
             jobs.append(job)
@@ -600,9 +604,10 @@ class FlowClaim:
                     if slot is not None:
                         spare.setdefault(key, []).append(slot)
                     continue
+                picked_job = dict(job)
                 if key is not None and limits.rate_limit_per_key is not None:
-                    starts[key].pop()
-                picked.append((dict(job), slot))
+                    picked_job[COUNTED] = [starts[key].pop()]
+                picked.append((picked_job, slot))
                 if len(picked) == want:
                     return picked
         return picked

@@ -35,7 +35,7 @@ from sqla_proletarian.errors import (
     Snooze,
     UnknownJobTypeError,
 )
-from sqla_proletarian.flow import FlowControl
+from sqla_proletarian.flow import COUNTED, FlowControl
 from sqla_proletarian.handlers import (
     JobContext,
     JobHandlers,
@@ -399,7 +399,10 @@ class RunnerBase:
         return results.stored_result(job_id, value, self.settings.serializer, limit)
 
     def _started_late(self, job: dict[str, Any]) -> None:
-        """A rate-limited run given back unrun: its handler would have started too late."""
+        """A rate-limited run given back unrun: its handler would have started too late. The
+        starts counted for it go back too, so that a window does not stay used up by runs
+        that never started (on a loaded machine, a whole window of a key could be)."""
+        self._flow.give_back(job.pop(COUNTED, []))
         log_event(
             logging.INFO,
             "start-too-late",

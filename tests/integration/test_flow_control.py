@@ -214,6 +214,41 @@ def test_a_rate_limit_per_key_counts_each_key_apart(
     assert firsts["B"][0] < firsts["A"][2] and firsts["A"][0] < firsts["B"][2], firsts
 
 
+@pytest.mark.parametrize("rate", ["rate_limit", "rate_limit_per_key"])
+def test_a_run_given_back_too_late_to_start_gives_its_counted_start_back(
+    database: Any,
+    engine: sa.Engine,
+    mode: str,
+    rate: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A worker too slow to start a rate-limited job in time (here: its first claim's job,
+    found too late) gives the job back unrun, and the start its window counted for it too:
+    the job runs at the next claim, not once the window (a minute) has passed."""
+    caplog.set_level(logging.INFO, logger="sqla_proletarian")
+    from sqla_proletarian import execution, flow, leases
+
+    late: list[bool] = []
+
+    def first_too_late(job: dict[str, Any], now: Any) -> bool:
+        if not late:
+            late.append(True)
+            return True
+        return flow.too_late(job, now)
+
+    monkeypatch.setattr(execution, "too_late", first_too_late)
+    monkeypatch.setattr(leases, "too_late", first_too_late)
+    set_limits(engine, **{rate: (1, 60.0)})
+    enqueue(engine, 1, key="A")
+    handler = Intervals(0.001)
+    with workers(database, handler, mode, number=1, threads=1):
+        drained(engine, 1, timeout=15.0)
+    assert len(events(caplog.records, "start-too-late")) == 1
+    assert len(handler.runs) == 1
+    assert {(row.status, row.attempts) for row in archived(engine)} == {("success", 1)}
+
+
 def test_limits_set_and_cleared_while_workers_run_take_effect_at_the_next_claims(
     database: Any, engine: sa.Engine, mode: str
 ) -> None:
