@@ -137,21 +137,24 @@ def test_rate_limits_are_refused_on_galera_saying_what_to_do(
 
 def test_a_job_depending_on_jobs_run_on_other_nodes_runs_after_them(cluster: Cluster) -> None:
     """Chains enqueued on one node, their links run by workers on the others: each job runs
-    once, after every job it depends on ended."""
+    once, after every job it depends on ended. The workers run before the chains are
+    enqueued, and each link takes 50 ms: a worker's 3 threads cannot take every link of 6
+    chains before the other nodes' workers (polling every 50 ms) take some, however late a
+    loaded machine started them."""
     engines = cluster.engines(pool_size=8)
     chains: list[list[uuid.UUID]] = []
-    for chain in range(6):
-        engine = engines[chain % 3]
-
-        def add_chain(conn: sa.Connection, chain: int = chain) -> list[uuid.UUID]:
-            ids = [sp.enqueue(conn, "t", (chain, 0))]
-            for link in range(1, 4):
-                ids.append(sp.enqueue(conn, "t", (chain, link), depends_on=[ids[-1]]))
-            return ids
-
-        chains.append(committed(engine, add_chain))
     noted = Noted()
-    with workers_on_each_node(engines, lambda node: noted.handler(node, 0.01)):
+    with workers_on_each_node(engines, lambda node: noted.handler(node, 0.05)):
+        for chain in range(6):
+            engine = engines[chain % 3]
+
+            def add_chain(conn: sa.Connection, chain: int = chain) -> list[uuid.UUID]:
+                ids = [sp.enqueue(conn, "t", (chain, 0))]
+                for link in range(1, 4):
+                    ids.append(sp.enqueue(conn, "t", (chain, link), depends_on=[ids[-1]]))
+                return ids
+
+            chains.append(committed(engine, add_chain))
         assert wait_for(lambda: queued(engines[0]) == 0, timeout=60)
     runs = {job_id: (node, began, end) for job_id, node, began, end in noted.runs}
     assert max(noted.counts().values()) == 1
