@@ -31,6 +31,7 @@ forgets them when they are cleared.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import threading
 import time
@@ -45,6 +46,7 @@ from sqlalchemy import Connection, Engine
 
 from sqla_proletarian import direct
 from sqla_proletarian.limits import QueueLimits, read_versions
+from sqla_proletarian.logs import log_event
 from sqla_proletarian.statements import flow as sql
 
 #: Seconds a rate limit's window counts beyond its own ``seconds``: the time between a
@@ -320,6 +322,25 @@ class FlowControl:
         workers' reservations would wait for their rows)."""
         with self._pool_lock:
             self.stale.extend(unused)
+
+    def give_back_now(self) -> None:
+        """Give back at once, in a short transaction, the starts this runner holds unused
+        (a claim's, a run's found too late to start, its pool's): a runner that claims no
+        more (``process_next_job``) has no next reservation to do it. Fewer starts counted
+        only ever leave a window under-used; a failure leaves them counted."""
+        with self._pool_lock:
+            stale, self.stale = self.stale, []
+            for pooled in self.pool.values():
+                stale.extend(pooled.unused())
+            self.pool.clear()
+        if not stale:
+            return
+        try:
+            with self.engine.begin() as conn:
+                for statement in sql.give_back_starts(Counter(stale)):
+                    conn.execute(*statement)
+        except Exception as exc:
+            log_event(logging.DEBUG, "starts-give-back-error", error=repr(exc))
 
     def drop_pool(self, queue: str) -> None:
         """The queue's limits changed: its pooled starts are given back at the next

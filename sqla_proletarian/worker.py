@@ -788,3 +788,4 @@ def process_next_job(engine: Engine, handler: Callable[..., Any], **options: Any
     finally:
         runner.progress.wait_written()
         workflows.count_later(engine, runner.now)
+        runner._flow.give_back_now()

@@ -346,6 +346,35 @@ def test_the_asyncio_workers_claims_keep_max_running_and_the_per_key_limit(
     assert recorded.most_at_once("A") == recorded.most_at_once("B") == 1
 
 
+def test_process_next_job_found_too_late_gives_its_start_back_before_it_returns(
+    engine: sa.Engine, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A runner of one claim whose job is found too late to start (an overloaded machine)
+    gives the start back before it returns: it has no next reservation to do it, and the
+    window (two starts a minute) still lets two more calls run a job each."""
+    from sqla_proletarian import execution, flow, leases
+
+    late: list[bool] = []
+
+    def first_too_late(job: dict[str, Any], now: Any) -> bool:
+        if not late:
+            late.append(True)
+            return True
+        return flow.too_late(job, now)
+
+    monkeypatch.setattr(execution, "too_late", first_too_late)
+    monkeypatch.setattr(leases, "too_late", first_too_late)
+    set_limits(engine, rate_limit=(2, 60.0))
+    enqueue(engine, 3)
+    ran: list[Any] = []
+    options: dict[str, Any] = {"lease_seconds": 30.0} if mode == "lease" else {}
+    for _ in range(3):
+        sp.process_next_job(engine, lambda t, p: ran.append(p), queue="q", **options)
+    assert late == [True]
+    assert len(ran) == 2, "the start counted for the run found too late was not given back"
+    assert count(engine, sp.Job) == 1
+
+
 def test_process_next_job_claims_from_a_limited_queue_within_its_limits(
     engine: sa.Engine, mode: str
 ) -> None:
