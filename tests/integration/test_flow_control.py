@@ -214,6 +214,24 @@ def test_a_rate_limit_per_key_counts_each_key_apart(
     assert firsts["B"][0] < firsts["A"][2] and firsts["A"][0] < firsts["B"][2], firsts
 
 
+def first_claim_too_late(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """The first claimed job of a rate-limited queue is found too late to start, as on an
+    overloaded machine (both modes); the list returned gets an item when it was."""
+    from sqla_proletarian import execution, flow, leases
+
+    late: list[bool] = []
+
+    def first_too_late(job: dict[str, Any], now: Any) -> bool:
+        if not late:
+            late.append(True)
+            return True
+        return flow.too_late(job, now)
+
+    monkeypatch.setattr(execution, "too_late", first_too_late)
+    monkeypatch.setattr(leases, "too_late", first_too_late)
+    return late
+
+
 @pytest.mark.parametrize("rate", ["rate_limit", "rate_limit_per_key"])
 def test_a_run_given_back_too_late_to_start_gives_its_counted_start_back(
     database: Any,
@@ -227,23 +245,13 @@ def test_a_run_given_back_too_late_to_start_gives_its_counted_start_back(
     found too late) gives the job back unrun, and the start its window counted for it too:
     the job runs at the next claim, not once the window (a minute) has passed."""
     caplog.set_level(logging.INFO, logger="sqla_proletarian")
-    from sqla_proletarian import execution, flow, leases
-
-    late: list[bool] = []
-
-    def first_too_late(job: dict[str, Any], now: Any) -> bool:
-        if not late:
-            late.append(True)
-            return True
-        return flow.too_late(job, now)
-
-    monkeypatch.setattr(execution, "too_late", first_too_late)
-    monkeypatch.setattr(leases, "too_late", first_too_late)
+    late = first_claim_too_late(monkeypatch)
     set_limits(engine, **{rate: (1, 60.0)})
     enqueue(engine, 1, key="A")
     handler = Intervals(0.001)
     with workers(database, handler, mode, number=1, threads=1):
         drained(engine, 1, timeout=15.0)
+    assert late == [True]
     assert len(events(caplog.records, "start-too-late")) == 1
     assert len(handler.runs) == 1
     assert {(row.status, row.attempts) for row in archived(engine)} == {("success", 1)}
@@ -352,18 +360,7 @@ def test_process_next_job_found_too_late_gives_its_start_back_before_it_returns(
     """A runner of one claim whose job is found too late to start (an overloaded machine)
     gives the start back before it returns: it has no next reservation to do it, and the
     window (two starts a minute) still lets two more calls run a job each."""
-    from sqla_proletarian import execution, flow, leases
-
-    late: list[bool] = []
-
-    def first_too_late(job: dict[str, Any], now: Any) -> bool:
-        if not late:
-            late.append(True)
-            return True
-        return flow.too_late(job, now)
-
-    monkeypatch.setattr(execution, "too_late", first_too_late)
-    monkeypatch.setattr(leases, "too_late", first_too_late)
+    late = first_claim_too_late(monkeypatch)
     set_limits(engine, rate_limit=(2, 60.0))
     enqueue(engine, 3)
     ran: list[Any] = []
