@@ -229,9 +229,7 @@ class FlowControl:
         """In the reservation's transaction: give the stale starts back, take the needed
         queues' limit rows in turn, and reserve; what was reserved, by queue."""
         made: dict[str, Reserved] = {}
-        if stale:
-            for statement in sql.give_back_starts(Counter(stale)):
-                conn.execute(*statement)
+        _give_back_in(conn, stale)
         for queue in needed:
             conn.execute(*sql.lock_limits(queue))
         # Read once the locks are held: a change committed meanwhile is seen.
@@ -337,8 +335,7 @@ class FlowControl:
             return
         try:
             with self.engine.begin() as conn:
-                for statement in sql.give_back_starts(Counter(stale)):
-                    conn.execute(*statement)
+                _give_back_in(conn, stale)
         except Exception as exc:
             log_event(logging.DEBUG, "starts-give-back-error", error=repr(exc))
 
@@ -367,6 +364,13 @@ def _committed(conn: Connection, begin: Callable[[Connection], None], work: Call
             conn.rollback()
         raise
     return result
+
+
+def _give_back_in(conn: Connection, starts: list[uuid.UUID]) -> None:
+    """Delete the given starts (a row counted n times is there n times) on ``conn``."""
+    if starts:
+        for statement in sql.give_back_starts(Counter(starts)):
+            conn.execute(*statement)
 
 
 def _rated(limits: QueueLimits) -> bool:

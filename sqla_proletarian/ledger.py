@@ -406,7 +406,7 @@ class ClaimRecords:
             }
             for job_id, run_id in self.run_ids.items()
         ]
-        direct.execute(conn, *sql.start_runs(rows, unnest=self.dialect.bulk_insert_unnest))
+        direct.execute(conn, *sql.start_runs(rows))
 
     def _end_runs(self) -> sql.Statement:
         """The delete of the claim's records, by id."""

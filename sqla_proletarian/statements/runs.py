@@ -20,7 +20,6 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql
 
 from sqla_proletarian.statements.base import _BY_ID, RUN, Statement, _delete_by
-from sqla_proletarian.statements.enqueue import _as_arrays, _insert_unnest
 
 _START_RUNS = insert(RUN)
 
@@ -28,14 +27,12 @@ _START_RUNS = insert(RUN)
 _RUN_COLUMNS = ("run_id", "job_id", "worker_id", "owner", "started_at", "batched")
 
 
-def start_runs(rows: list[dict[str, Any]], *, unnest: bool = False) -> tuple[Executable, Any]:
+def start_runs(rows: list[dict[str, Any]]) -> tuple[Executable, Any]:
     """Record the runs a claim starts (committed before its first handler runs): one row, or
-    one per job of a batch (one ``INSERT ... SELECT unnest(...)`` on PostgreSQL, else an
-    executemany, which drivers send in one go)."""
+    one per job of a batch, an executemany, which drivers send in one go (PostgreSQL sends a
+    batch's in one statement instead: ``start_batch_runs``)."""
     if len(rows) == 1:
         return _START_RUNS, rows[0]
-    if unnest:
-        return _insert_unnest(RUN, _RUN_COLUMNS), _as_arrays(rows, _RUN_COLUMNS)
     return _START_RUNS, rows
 
 
